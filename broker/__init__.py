@@ -1,0 +1,1 @@
+"""The broker side: frontend, routing, backend, supervision, metrics. Never tokenizes."""

@@ -1,0 +1,1 @@
+"""What the broker and the workers share: the wire protocol, configuration and errors."""

@@ -1,0 +1,36 @@
+"""One exception type that carries a protocol error code (docs/protocol.md, "Reply")."""
+
+from __future__ import annotations
+
+ERROR_CODES = frozenset(
+    {
+        "bad_request",
+        "unknown_op",
+        "unknown_model",
+        "too_large",
+        "template_error",
+        "invalid_input",
+        "overloaded",
+        "timeout",
+        "worker_failed",
+        "internal",
+    }
+)
+
+
+class ProtocolError(Exception):
+    """Raised where a request is found wanting; turned into an error reply in one place per side."""
+
+    def __init__(self, code: str, message: str) -> None:
+        if code not in ERROR_CODES:
+            raise ValueError(f"unknown protocol error code {code!r}")
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def to_wire(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message}
+
+
+class BootError(Exception):
+    """A worker cannot load its tokenizers: the broker refuses to start and shows this message."""

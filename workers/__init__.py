@@ -1,0 +1,1 @@
+"""The worker side: loads tokenizers, keeps the caches, answers jobs. Never routes."""
