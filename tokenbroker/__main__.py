@@ -1,0 +1,3 @@
+from tokenbroker.cli import main
+
+raise SystemExit(main())

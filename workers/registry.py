@@ -1,0 +1,201 @@
+"""The models a worker holds: tokenizer, cache and chat template per model, and name resolution.
+
+Everything is loaded once at start (a worker that cannot load says so and exits); the registry is
+an object the worker owns, never a module global.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tokenbroker.common.config import EMBEDDED_DEFAULT, CacheConfig, ModelConfig, ModelSpec
+from tokenbroker.common.errors import BootError, ProtocolError
+
+from .cache import CacheOutcome, TokenCache
+from .chat import ChatRenderer, ChatTemplates, discover_chat_templates
+from .modelmap import TokenizerMap
+from .tokenizers import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+OPENAI_ENCODINGS = ("o200k_base", "o200k_harmony", "cl100k_base", "p50k_base", "r50k_base", "gpt2")
+
+
+@dataclass
+class Model:
+    """One loaded model: what `model` resolves to."""
+
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    cache: TokenCache
+    templates: ChatTemplates | None
+    cache_on: bool = False
+    _renderer: ChatRenderer | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def renderer(self) -> ChatRenderer:
+        """The compiled chat template, built on first use and kept."""
+        if self.templates is None:
+            raise ProtocolError(
+                "template_error",
+                f"model {self.name!r} has no chat template (give one with --chat-template or --model-chat-template)",
+            )
+        if self._renderer is None:
+            self._renderer = ChatRenderer(self.templates, self.tokenizer.named_specials)
+        return self._renderer
+
+    def describe(self) -> dict:
+        t = self.tokenizer
+        return {
+            "name": self.name,
+            "aliases": list(self.spec.aliases),
+            "kind": t.kind,
+            "vocab_size": t.vocab_size,
+            "special_tokens": sorted(t.special_tokens),
+            "chat_template": self.templates is not None,
+            "cached": self.cache_on,
+            "l1_bypass_reason": self.cache.l1_bypass_reason,
+            "source": t.description,
+        }
+
+
+class CacheTally:
+    """Folds the cache outcomes of several encodes into one reply `cache` map."""
+
+    def __init__(self) -> None:
+        self.lookups = 0
+        self.l0_hits = 0
+        self.l0_off = False
+        self.l1_reused = 0
+
+    def add(self, outcome: CacheOutcome) -> None:
+        self.lookups += 1
+        self.l0_hits += outcome.l0 == "hit"
+        self.l0_off = self.l0_off or outcome.l0 == "off"
+        self.l1_reused += outcome.l1_reused_tokens
+
+    def to_wire(self) -> dict:
+        if self.l0_off:
+            l0 = "off"
+        else:
+            l0 = "hit" if self.lookups and self.l0_hits == self.lookups else "miss"
+        return {"l0": l0, "l1_reused_tokens": self.l1_reused}
+
+
+def _load_model(spec: ModelSpec, cache_config: CacheConfig) -> Model:
+    tokenizer = load_tokenizer(spec.source, tokenizer_path=spec.tokenizer_path)
+    cache = TokenCache(tokenizer, cache_config, name=spec.name)
+    if cache_config.l1_enabled and not cache.l1_active:
+        log.warning("model %s: L1 cache bypassed: %s", spec.name, cache.l1_bypass_reason)
+    model_dir = tokenizer.model_dir
+    if spec.source != EMBEDDED_DEFAULT and model_dir is None:
+        candidate = Path(spec.source)
+        model_dir = candidate if candidate.is_dir() else None
+    try:
+        templates = discover_chat_templates(model_dir, tokenizer.tokenizer_config, spec.chat_template)
+    except (OSError, ValueError) as e:
+        raise BootError(f"model {spec.name!r}: cannot read its chat template: {e}") from e
+    cache_on = cache_config.l0_enabled or cache.l1_active
+    return Model(spec=spec, tokenizer=tokenizer, cache=cache, templates=templates, cache_on=cache_on)
+
+
+class ModelRegistry:
+    """Loads every configured model once, and resolves request model names to them."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self._config = config
+        self.models: list[Model] = [_load_model(spec, config.cache) for spec in config.models]
+        self._by_name: dict[str, Model] = {}
+        for m in self.models:
+            for n in (m.name, *m.spec.aliases):
+                self._by_name[n] = m
+        self._map = TokenizerMap(config.tokenizer_map)
+        self._encodings: dict[str, Model | None] = {}
+        self._encodings_lock = threading.Lock()
+
+    @property
+    def default(self) -> Model:
+        return self.models[0]
+
+    def find(self, name: str) -> Model | None:
+        """Exact name or alias, then the --tokenizer-map globs."""
+        model = self._by_name.get(name)
+        if model is None:
+            target = self._map.lookup(name)
+            model = self._by_name.get(target) if target is not None else None
+        return model
+
+    def resolve(self, name: str | None) -> Model:
+        if name is None:
+            return self.default
+        model = self.find(name)
+        if model is None:
+            known = ", ".join(sorted(self._by_name))
+            raise ProtocolError("unknown_model", f"field 'model': no tokenizer answers to {name!r} (known: {known})")
+        return model
+
+    def encoding(self, name: str) -> Model | None:
+        """An OpenAI encoding for counting, loaded on first use through tiktoken's cache; None if unavailable."""
+        if name not in OPENAI_ENCODINGS:
+            return None
+        with self._encodings_lock:
+            if name not in self._encodings:
+                loaded = next((m for m in self.models if m.spec.source == name), None)
+                if loaded is None:
+                    try:
+                        loaded = _load_model(ModelSpec(name=name, source=name), self._config.cache)
+                    except BootError as e:
+                        log.warning("encoding %s is not available here: %s", name, e)
+                self._encodings[name] = loaded
+            return self._encodings[name]
+
+    def describe(self) -> list[dict]:
+        return [m.describe() for m in self.models]
+
+    def cache_stats(self) -> dict[str, dict[str, int]]:
+        """Cache counters summed over every tokenizer this worker holds (encodings for counting too)."""
+        total: dict[str, dict[str, int]] = {}
+        caches = [m.cache for m in self.models] + [m.cache for m in list(self._encodings.values()) if m is not None]
+        for cache in caches:
+            for layer, counters in cache.stats().items():
+                acc = total.setdefault(layer, {})
+                for key, value in counters.items():
+                    acc[key] = acc.get(key, 0) + value
+        return total
+
+
+class WorkerCountEnv:
+    """The counting ladder's view of this worker: every rung encodes through a model's cache."""
+
+    def __init__(self, registry: ModelRegistry, tally: CacheTally) -> None:
+        self._registry = registry
+        self._tally = tally
+
+    def _encoder(self, model: Model) -> Callable[[str], int]:
+        def encode(text: str) -> int:
+            ids, outcome = model.cache.encode(text, False)
+            self._tally.add(outcome)
+            return len(ids)
+
+        return encode
+
+    def tiktoken(self, encoding: str) -> Callable[[str], int] | None:
+        model = self._registry.encoding(encoding)
+        return self._encoder(model) if model is not None else None
+
+    def loaded(self, model: str) -> tuple[str, str, Callable[[str], int]] | None:
+        found = self._registry.find(model)
+        if found is None:
+            return None
+        return found.name, found.tokenizer.kind, self._encoder(found)
+
+    def fallback(self) -> tuple[str, Callable[[str], int]] | None:
+        d = self._registry.default
+        return d.name, self._encoder(d)
