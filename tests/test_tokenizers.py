@@ -190,6 +190,9 @@ def test_unassigned_ids_inside_the_range_raise(cases: dict[str, Case], name: str
             tok.decode([13225, gap, 13225], skip_special_tokens=False)
         assert (info.value.index, info.value.token_id) == (1, gap)
     assert tok.decode([199997, 199999, 200018], skip_special_tokens=False).endswith("<|endoftext|><|endofprompt|>")
+    with pytest.raises(InvalidTokenId) as info:  # the position counts the skipped special token too
+        tok.decode([64, 199999, 199998], skip_special_tokens=True)
+    assert (info.value.index, info.value.token_id) == (2, 199998)
 
 
 def test_hf_ids_without_a_token_raise(tmp_path: Path) -> None:

@@ -118,7 +118,7 @@ class Tokenizer(Protocol):
 
 def check_ids(ids: list[int], vocab_size: int, unassigned: frozenset[int]) -> None:
     """Raise InvalidTokenId for the first id that names no token; C-speed when all are fine."""
-    if not ids or (min(ids) >= 0 and max(ids) < vocab_size and unassigned.isdisjoint(ids)):
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size and (not unassigned or unassigned.isdisjoint(ids))):
         return
     for i, t in enumerate(ids):
         if t < 0 or t >= vocab_size or t in unassigned:
@@ -143,8 +143,15 @@ class HuggingFaceTokenizer:
         return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
-        check_ids(ids, self.vocab_size, self.unassigned)
-        return self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
+        # `tokenizers` skips ids it has no token for, silently: check those (max and the gaps) first.
+        # Negative and beyond-u32 ids make it raise OverflowError: only then look for the culprit.
+        if ids and (max(ids) >= self.vocab_size or (self.unassigned and not self.unassigned.isdisjoint(ids))):
+            check_ids(ids, self.vocab_size, self.unassigned)
+        try:
+            return self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
+        except OverflowError:
+            check_ids(ids, self.vocab_size, self.unassigned)
+            raise
 
     def __repr__(self) -> str:
         return f"<HuggingFaceTokenizer {self.description}>"
@@ -175,10 +182,16 @@ class TiktokenTokenizer:
         return self.raw.encode(text, allowed_special=self._special_texts, disallowed_special=())
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
-        check_ids(ids, self.vocab_size, self.unassigned)
+        kept = ids
         if skip_special_tokens and not self._special_ids.isdisjoint(ids):
-            ids = [t for t in ids if t not in self._special_ids]
-        return self.raw.decode(ids)
+            kept = [t for t in ids if t not in self._special_ids]
+        # tiktoken refuses unknown ids itself (KeyError; OverflowError below 0 or beyond u32), so the
+        # happy path costs nothing; on failure, name the first bad id and its position in `ids`.
+        try:
+            return self.raw.decode(kept)
+        except (KeyError, OverflowError):
+            check_ids(ids, self.vocab_size, self.unassigned)
+            raise
 
     def __repr__(self) -> str:
         return f"<TiktokenTokenizer {self.description}>"
