@@ -1,0 +1,95 @@
+"""A worker's two-level cache in front of one tokenizer: L0 exact inputs, L1 prefixes at special tokens.
+
+Caches only ever save work: every result equals the tokenizer's own, id for id (docs/protocol.md,
+"Token ids"). L1 proves that per tokenizer at load (see cache_l1) and is bypassed, with the reason
+in `l1_bypass_reason`, where it cannot. Decoding is never cached.
+
+>>> ids, outcome = TokenCache(tok, CacheConfig(l0_enabled=True)).encode("hello")  # doctest: +SKIP
+>>> outcome
+CacheOutcome(l0='miss', l1_reused_tokens=0)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from tokenbroker.common.config import CacheConfig
+
+from .cache_l0 import L0Cache, LayerStats
+from .cache_l1 import L1Cache, NotSplittable, Segmenter, Tokenizer, check_exact
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CacheOutcome", "TokenCache"]
+
+
+@dataclass(frozen=True)
+class CacheOutcome:
+    l0: str  # "hit" | "miss" | "off"
+    l1_reused_tokens: int  # 0 when L1 missed or is off
+
+
+OFF = CacheOutcome("off", 0)
+
+
+class TokenCache:
+    """Wraps one loaded tokenizer. Returned id lists are fresh: callers may keep or change them."""
+
+    def __init__(self, tokenizer: Tokenizer, config: CacheConfig, *, name: str = "") -> None:
+        self.tokenizer = tokenizer
+        self.name = name
+        self._l0 = L0Cache(config.l0_max_entries, config.l0_max_bytes) if config.l0_enabled else None
+        self._l1: L1Cache | None = None
+        self.l1_bypass_reason: str | None = None
+        if config.l1_enabled:
+            self.l1_bypass_reason = self._start_l1(config.l1_max_memory)
+            if self.l1_bypass_reason is not None:
+                log.warning("tokenizer %s: L1 cache bypassed: %s", name or "?", self.l1_bypass_reason)
+
+    def _start_l1(self, budget: int) -> str | None:
+        """Build L1 if splitting at special tokens is exact for this tokenizer; else say why not."""
+        try:
+            seg = Segmenter(self.tokenizer)
+        except NotSplittable as e:
+            return str(e)
+        reason = check_exact(seg, self.tokenizer)
+        if reason is None:
+            self._l1 = L1Cache(self.tokenizer, seg, budget)
+        return reason
+
+    @property
+    def l1_active(self) -> bool:
+        """L1 is enabled and exact for this tokenizer."""
+        return self._l1 is not None
+
+    @property
+    def enabled(self) -> bool:
+        return self._l0 is not None or self._l1 is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], CacheOutcome]:
+        """The tokenizer's ids for `text`, and where they came from."""
+        if self._l0 is None and self._l1 is None:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens), OFF
+        l0 = "off"
+        if self._l0 is not None:
+            ids = self._l0.get(text, add_special_tokens)
+            if ids is not None:
+                return ids, CacheOutcome("hit", 0)
+            l0 = "miss"
+        reused = 0
+        if self._l1 is not None:
+            ids, reused = self._l1.encode(text, add_special_tokens)
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if self._l0 is not None:
+            self._l0.put(text, add_special_tokens, ids)
+        return ids, CacheOutcome(l0, reused)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Cumulative lookups, evictions and reused bytes per layer, with current entries and charged bytes."""
+        empty = LayerStats().as_dict()
+        return {
+            "l0": self._l0.stats() if self._l0 is not None else empty,
+            "l1": self._l1.stats() if self._l1 is not None else empty,
+        }

@@ -1,0 +1,92 @@
+"""L0: exact (text, add_special_tokens) -> ids, least recently used first out.
+
+Bounded twice: by entry count and by charged bytes, because an entry keeps the whole input, so a few
+huge prompts could otherwise hold far more memory than the entry count suggests. An entry is charged
+what it really holds (the str object, 4 bytes per id, bookkeeping), and one charged above a quarter of
+the byte budget is never cached: it would evict a quarter of everything for a single input.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+ENTRY_OVERHEAD = 256  # ordered-dict slot, key tuple, entry object and array header, roughly
+ID_TYPECODE = "I"  # unsigned 32-bit: every vocabulary fits, and 4 bytes per id is what we charge
+
+
+@dataclass(slots=True)
+class _Entry:
+    ids: array
+    utf8_len: int
+    charge: int
+
+
+@dataclass
+class LayerStats:
+    """Cumulative counters of one layer plus its current size, as the metrics exporter reads them."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    reused_bytes: int = 0
+    entries: int = 0
+    bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "hits": self.hits, "misses": self.misses, "evictions": self.evictions,
+            "reused_bytes": self.reused_bytes, "entries": self.entries, "bytes": self.bytes,
+        }
+
+
+class L0Cache:
+    """Exact-match cache; `get` counts a lookup, `put` stores a result it was not asked to keep a reference to."""
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._map: OrderedDict[tuple[str, bool], _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+        self._stats = LayerStats()
+
+    def get(self, text: str, add_special_tokens: bool) -> list[int] | None:
+        """A fresh list of the cached ids, or None (a miss, counted)."""
+        key = (text, add_special_tokens)
+        with self._lock:
+            entry = self._map.get(key)
+            if entry is None:
+                self._stats.misses += 1
+                return None
+            self._map.move_to_end(key)
+            self._stats.hits += 1
+            self._stats.reused_bytes += entry.utf8_len
+            ids = entry.ids
+        return ids.tolist()
+
+    def put(self, text: str, add_special_tokens: bool, ids: list[int]) -> None:
+        """Keep a copy of `ids` for `text`, evicting the least recently used entries to stay in bounds."""
+        charge = sys.getsizeof(text) + 4 * len(ids) + ENTRY_OVERHEAD
+        if charge > self.max_bytes // 4:
+            return
+        entry = _Entry(array(ID_TYPECODE, ids), len(text.encode("utf-8")), charge)
+        key = (text, add_special_tokens)
+        with self._lock:
+            old = self._map.pop(key, None)
+            if old is not None:  # another thread stored it meanwhile
+                self._stats.bytes -= old.charge
+            while self._map and (len(self._map) >= self.max_entries or self._stats.bytes + charge > self.max_bytes):
+                _, gone = self._map.popitem(last=False)
+                self._stats.bytes -= gone.charge
+                self._stats.evictions += 1
+            self._map[key] = entry
+            self._stats.bytes += charge
+            self._stats.entries = len(self._map)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            self._stats.entries = len(self._map)
+            return self._stats.as_dict()

@@ -1,0 +1,370 @@
+"""L1: the ids of every prefix that ends right after a special token, so a new turn pays only for itself.
+
+Why splitting there is exact, and how it is kept exact:
+- Both tokenizer kinds cut their input at special-token matches before anything else runs (Hugging
+  Face: non-normalized added tokens, matched leftmost-longest on the raw text; tiktoken: its special
+  regex), then normalize, pre-tokenize and tokenize each piece on its own. `Segmenter.boundaries`
+  finds those same matches (a trie regex over the same token set is leftmost-longest too).
+- A piece is encoded with the special token before it as left context and that token's id dropped,
+  so whatever depends on what precedes a piece (Metaspace prepend_scheme "first", an rstrip special
+  eating the whitespace after it, single_word) sees what the whole input would show it. Each result
+  is checked: the context id must come first and a piece must end with its boundary's id; otherwise
+  the lookup falls back to tokenizing the whole input.
+- Post-processing (BOS/EOS templates) adds ids around the whole sequence once: pieces are encoded
+  without it and the head and tail learnt at load are added once at the end.
+- At load, probe inputs built from the tokenizer's own specials compare the split result with a plain
+  encode for both flag values; any difference bypasses L1 for that tokenizer, with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import re
+import threading
+from array import array
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .cache_l0 import ID_TYPECODE, LayerStats
+
+log = logging.getLogger(__name__)
+
+EVICTION_SAMPLE = 32
+ENTRY_OVERHEAD = 200  # dict slot, key digest, entry object and array header, roughly (not charged)
+
+
+class Tokenizer(Protocol):
+    """What the cache needs of tokenbroker.workers.tokenizers.Tokenizer."""
+
+    kind: str
+    named_specials: dict[str, str]
+    special_tokens: dict[str, int]
+    raw: Any
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    end: int  # byte offset right after the special token's text
+    token_id: int
+    text: str
+
+
+class NotSplittable(Exception):
+    """This tokenizer cannot be split at special tokens exactly; the message says why."""
+
+
+# --- where the tokenizer itself splits ---------------------------------------------------------------
+
+
+def trie_regex(words: list[bytes]) -> re.Pattern[bytes]:
+    """Leftmost-longest matcher for literal byte strings: a trie whose optional tails are greedy."""
+    trie: dict[Any, Any] = {}
+    for w in words:
+        node = trie
+        for b in w:
+            node = node.setdefault(b, {})
+        node[None] = True
+
+    def emit(node: dict[Any, Any]) -> bytes:
+        kids = sorted((k, v) for k, v in node.items() if k is not None)
+        if not kids:
+            return b""
+        alts = [re.escape(bytes([k])) + emit(v) for k, v in kids]
+        body = alts[0] if len(alts) == 1 else b"(?:" + b"|".join(alts) + b")"
+        return b"(?:" + body + b")?" if None in node else body
+
+    return re.compile(emit(trie) if trie else b"(?!)")
+
+
+def _hf_tokens(tok: Tokenizer) -> tuple[list[str], dict[str, int]]:
+    """(texts the first split pass matches, boundary specials -> id) for a tokenizers.Tokenizer."""
+    raw = tok.raw
+    if getattr(raw, "truncation", None) is not None or getattr(raw, "padding", None) is not None:
+        raise NotSplittable("truncation or padding is on")
+    if getattr(raw, "encode_special_tokens", False):
+        raise NotSplittable("encode_special_tokens is on: special tokens are not split out")
+    added = raw.get_added_tokens_decoder()
+    first_pass = [a.content for a in added.values() if not a.normalized]
+    bounds = {a.content: i for i, a in added.items()
+              if not a.normalized and tok.special_tokens.get(a.content) == i}
+    return first_pass, bounds
+
+
+def _tiktoken_tokens(tok: Tokenizer) -> tuple[list[str], dict[str, int]]:
+    raw_specials = set(getattr(tok.raw, "special_tokens_set", ()))
+    allowed = {t: i for t, i in tok.special_tokens.items() if t in raw_specials}
+    everything = sorted(raw_specials | set(tok.special_tokens))
+    joined = "\0".join(everything)
+    for t in everything:  # tiktoken's special regex is an alternation in hash order: ambiguous if nested
+        if joined.count(t) > 1:
+            raise NotSplittable(f"special token {t!r} occurs inside another special token")
+    return list(allowed), allowed
+
+
+class Segmenter:
+    """Finds the special-token boundaries of an input and encodes the pieces between them exactly."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+        if tok.kind == "huggingface":
+            matched, specials = _hf_tokens(tok)
+        elif tok.kind == "tiktoken":
+            matched, specials = _tiktoken_tokens(tok)
+        else:
+            raise NotSplittable(f"unknown tokenizer kind {tok.kind!r}")
+        # A special with whitespace at its edge could meet an lstrip/rstrip neighbour: never split there.
+        self._specials = {t: i for t, i in specials.items() if t and t == t.strip()}
+        self._matcher = trie_regex(sorted({t.encode("utf-8") for t in matched if t}))
+        self._by_bytes = {t.encode("utf-8"): (i, t) for t, i in self._specials.items()}
+        self.head, self.tail = _learn_template(tok)
+
+    @property
+    def specials(self) -> dict[str, int]:
+        return self._specials
+
+    def boundaries(self, data: bytes) -> list[Boundary]:
+        found = []
+        by_bytes = self._by_bytes
+        for m in self._matcher.finditer(data):
+            hit = by_bytes.get(m.group())
+            if hit is not None:
+                found.append(Boundary(m.end(), hit[0], hit[1]))
+        return found
+
+    def encode_piece(self, piece: str, left: Boundary | None, right: Boundary | None) -> list[int] | None:
+        """Ids of `piece` as they appear in the whole input, or None when a check shows it would differ."""
+        if left is None:
+            ids = self._tok.encode(piece, add_special_tokens=False)
+        elif not piece:
+            return []
+        else:
+            ids = self._tok.encode(left.text + piece, add_special_tokens=False)
+            if not ids or ids[0] != left.token_id:
+                return None
+            del ids[0]
+        if right is not None and (not ids or ids[-1] != right.token_id):
+            return None
+        return ids
+
+    def finish(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+        """Apply the post-processor's head and tail once, as encoding the whole input would."""
+        if add_special_tokens and (self.head or self.tail):
+            return [*self.head, *ids, *self.tail]
+        return ids
+
+    def encode_split(self, text: str, add_special_tokens: bool) -> list[int] | None:
+        """The whole input the L1 way, piece by piece (no cache); None when a check refused."""
+        data = text.encode("utf-8")
+        out: list[int] = []
+        left, pos = None, 0
+        for b in self.boundaries(data):
+            ids = self.encode_piece(data[pos:b.end].decode("utf-8"), left, b)
+            if ids is None:
+                return None
+            out += ids
+            left, pos = b, b.end
+        ids = self.encode_piece(data[pos:].decode("utf-8"), left, None)
+        return None if ids is None else self.finish(out + ids, add_special_tokens)
+
+
+def _learn_template(tok: Tokenizer) -> tuple[list[int], list[int]]:
+    """The ids add_special_tokens puts before and after a sequence, checked on a few inputs."""
+    empty = tok.encode("", add_special_tokens=True)
+    if tok.encode("", add_special_tokens=False):
+        raise NotSplittable("encoding the empty text gives ids")
+    splits: set[int] | None = None
+    for probe in ("a", "hello world", "Hello, World! 123\n"):
+        with_, without = tok.encode(probe, add_special_tokens=True), tok.encode(probe, add_special_tokens=False)
+        n = len(without)
+        ok = {i for i in range(len(empty) + 1)
+              if with_ == [*empty[:i], *without, *empty[i:]] and len(with_) == n + len(empty)}
+        splits = ok if splits is None else splits & ok
+    if not splits:
+        raise NotSplittable("add_special_tokens does more than add fixed ids around the sequence")
+    i = min(splits)
+    return empty[:i], empty[i:]
+
+
+_FILLERS = ("", "a", "hello", " hello", "hello ", "  ", "\n", " \n\t", "Hi there.", "héllo wörld", "日本語",
+            "123", "x  y", "\u2581", "<", ">")
+
+
+def probe_texts(seg: Segmenter, named: dict[str, str], added: list[str]) -> list[str]:
+    """Inputs where a careless split at special tokens goes wrong: edges, whitespace, neighbours, nesting."""
+    specials = sorted(seg.specials)
+    joined = "\0".join(added)
+    inner = [s for s in specials if joined.count(s) > 1]  # inside another added token
+    outer = [a for a in added if any(s != a and s in a for s in inner[:16])][:16]
+    picked = [t for t in named.values() if t in seg.specials] + inner[:8]
+    picked += specials[:: max(1, len(specials) // 8)][:8]
+    picked = list(dict.fromkeys(picked))[:16]
+    texts = []
+    for o in outer:
+        texts += [o, f"x{o}y", o[:-1], o[1:], f"{o} {o}", f"{o[:-1]} {o}"]
+    for i, s in enumerate(picked):
+        t = picked[(i + 1) % len(picked)]
+        texts += [s, s + s, f"a{s}b", f" {s} ", f"{s} hello", f"hello {s}", f"hello{s}world", f"{s}\n{t}\n",
+                  f"  {s}  {t}  ", f"{s}{t}", f"{s}x y", f"x y{s}", f"\n{s}\n\nhello\n{t}", f"{s}   "]
+        texts += [f"{a}{s}{b}" for a, b in zip(_FILLERS, reversed(_FILLERS))]
+    return texts
+
+
+def check_exact(seg: Segmenter, tok: Tokenizer) -> str | None:
+    """Why splitting changes a result on the probes, or None when it never does."""
+    decoder = getattr(tok.raw, "get_added_tokens_decoder", None)
+    added = [a.content for a in decoder().values()] if decoder else list(tok.special_tokens)
+    for text in probe_texts(seg, tok.named_specials, added):
+        for flag in (False, True):
+            got = seg.encode_split(text, flag)
+            if got is not None and got != tok.encode(text, add_special_tokens=flag):
+                return f"splitting at special tokens changes the ids of {text!r} (add_special_tokens={flag})"
+    return None
+
+
+# --- the store --------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Entry:
+    ids: array
+    charge: int
+    used: int
+    index: int
+
+
+class PrefixStore:
+    """digest -> prefix ids under a byte budget; evicts the least recently used of 32 sampled entries."""
+
+    def __init__(self, budget: int, *, rng: random.Random | None = None) -> None:
+        self.budget = budget
+        self.bytes = 0
+        self.evictions = 0
+        self._map: dict[bytes, _Entry] = {}
+        self._keys: list[bytes] = []
+        self._clock = 0
+        self._rng = rng or random.Random()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def deepest(self, keys: list[bytes]) -> tuple[int, array | None]:
+        """(index, ids) of the last key present, touching it; (-1, None) when none is."""
+        for i in range(len(keys) - 1, -1, -1):
+            entry = self._map.get(keys[i])
+            if entry is not None:
+                self._clock += 1
+                entry.used = self._clock
+                return i, entry.ids
+        return -1, None
+
+    def put_many(self, items: list[tuple[bytes, array, int]]) -> None:
+        """Store (key, ids, charge) items, deepest first while they fit, evicting to make room."""
+        chosen, total = [], 0
+        for key, ids, charge in reversed(items):
+            if key not in self._map and total + charge <= self.budget:
+                chosen.append((key, ids, charge))
+                total += charge
+        while self._map and self.bytes + total > self.budget:
+            self._evict_one()
+        for key, ids, charge in reversed(chosen):
+            self._clock += 1
+            self._map[key] = _Entry(ids, charge, self._clock, len(self._keys))
+            self._keys.append(key)
+            self.bytes += charge
+
+    def _evict_one(self) -> None:
+        n = len(self._keys)
+        sample = self._rng.sample(range(n), min(EVICTION_SAMPLE, n))
+        victim = min(sample, key=lambda i: self._map[self._keys[i]].used)
+        key = self._keys[victim]
+        last = self._keys.pop()
+        if victim < len(self._keys):
+            self._keys[victim] = last
+            self._map[last].index = victim
+        self.bytes -= self._map.pop(key).charge
+        self.evictions += 1
+
+
+# --- the layer --------------------------------------------------------------------------------------
+
+
+class L1Cache:
+    """Prefix lookups and inserts for one tokenizer; `encode` returns (ids, ids reused from L1)."""
+
+    def __init__(self, tok: Tokenizer, segmenter: Segmenter, budget: int) -> None:
+        self._tok = tok
+        self._seg = segmenter
+        self._store = PrefixStore(budget)
+        self._lock = threading.Lock()
+        self._stats = LayerStats()
+        self.fallbacks = 0  # lookups a piece check refused: tokenized whole instead
+
+    def encode(self, text: str, add_special_tokens: bool) -> tuple[list[int], int]:
+        data = text.encode("utf-8")
+        bounds = self._seg.boundaries(data)
+        if not bounds:
+            with self._lock:
+                self._count(False, 0)
+            return self._tok.encode(text, add_special_tokens=add_special_tokens), 0
+        keys = _prefix_keys(data, bounds, add_special_tokens)
+        with self._lock:
+            depth, prefix = self._store.deepest(keys)
+        acc = prefix[:] if prefix is not None else array(ID_TYPECODE)
+        reused = len(acc)
+        left = bounds[depth] if depth >= 0 else None
+        pos = left.end if left is not None else 0
+        new: list[tuple[bytes, array, int]] = []
+        for i in range(depth + 1, len(bounds)):
+            b = bounds[i]
+            ids = self._seg.encode_piece(data[pos:b.end].decode("utf-8"), left, b)
+            if ids is None:
+                return self._fallback(text, add_special_tokens)
+            acc.extend(ids)
+            new.append((keys[i], acc[:], b.end + 4 * len(acc)))
+            left, pos = b, b.end
+        rest = self._seg.encode_piece(data[pos:].decode("utf-8"), left, None)
+        if rest is None:
+            return self._fallback(text, add_special_tokens)
+        with self._lock:
+            if new:
+                self._store.put_many(new)
+            self._count(depth >= 0, bounds[depth].end if depth >= 0 else 0)
+        ids = acc.tolist()
+        ids += rest
+        return self._seg.finish(ids, add_special_tokens), reused
+
+    def _fallback(self, text: str, add_special_tokens: bool) -> tuple[list[int], int]:
+        with self._lock:
+            self.fallbacks += 1
+            self._count(False, 0)
+        return self._tok.encode(text, add_special_tokens=add_special_tokens), 0
+
+    def _count(self, hit: bool, reused_bytes: int) -> None:
+        if hit:
+            self._stats.hits += 1
+            self._stats.reused_bytes += reused_bytes
+        else:
+            self._stats.misses += 1
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            self._stats.entries = len(self._store)
+            self._stats.bytes = self._store.bytes
+            self._stats.evictions = self._store.evictions
+            return self._stats.as_dict()
+
+
+def _prefix_keys(data: bytes, bounds: list[Boundary], add_special_tokens: bool) -> list[bytes]:
+    """blake2b of the flag and each prefix, computed incrementally: one pass over the input."""
+    h = hashlib.blake2b(b"\x01" if add_special_tokens else b"\x00", digest_size=16)
+    view = memoryview(data)
+    keys, pos = [], 0
+    for b in bounds:
+        h.update(view[pos:b.end])
+        keys.append(h.copy().digest())
+        pos = b.end
+    return keys
