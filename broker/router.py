@@ -1,0 +1,208 @@
+"""Which worker gets a request: prefix affinity under a load bound. Pure: no socket, no clock.
+
+Preference. A `RouteKey` (tokenbroker.broker.affinity) carries prefix-block hashes, shallow to
+deep, and a rendezvous key. The router keeps a prefix index, block hash -> the worker that last
+tokenized it, and prefers the worker of the deepest block found there (then of the key itself);
+when the index knows none, rendezvous hashing of the key over the live workers chooses (highest
+SHA-256 of worker id + key), so a worker that joins or leaves moves only the unindexed keys it
+wins or held. Every pick records the key and all its blocks at the chosen worker, because that
+worker now holds those prefixes in its L1: "last tokenized" is the truth the index tracks.
+
+Bounded load. The preferred worker is passed over when, counting this job, its in-flight jobs
+would exceed both `balance_factor` x mean and mean + `balance_margin` (the mean over live
+workers, also counting this job); it is also passed over when it is at capacity. Then the job
+spills to the least loaded worker with a free slot (ties broken by the key's rendezvous order,
+so a key's spills are repeatable). With `balance_margin` >= 1 no pick ever takes a worker
+over the bound. `pick` returns None only when every worker is full; the broker's pending queue
+waits then. A full preferred worker that is within the bound is not waited for: the job runs
+elsewhere now rather than queue behind it while another worker idles (a slot frees in
+milliseconds, but so does a cold tokenization of a typical prompt, and `pick` answers one
+request; a broker that wants to wait can ask `preferred()` and hold the job).
+
+No flapping. A spill records the key's blocks at the new worker, so the conversation's later
+turns follow it (they extend the prefix that worker now holds) instead of returning home when
+the old worker drains. It moves again only if the new worker in turn goes over the bound, and
+the new worker starts at or below the mean, at least `balance_margin` jobs below the bound:
+that gap is the hysteresis. A hot key whose own traffic exceeds one worker's share therefore
+walks from worker to worker one spill at a time, never back and forth per request.
+
+Memory. The index is an OrderedDict, least recently used out, of at most `index_max_entries`
+entries. An entry costs about 140 bytes while the index fills and 193 bytes once LRU churn has
+grown the dict's table (tracemalloc on CPython 3.11, at 2^16 to 2^20 entries: a 16-byte bytes
+key of 49 bytes, its dict slot and OrderedDict node; the values are shared worker records), so
+the default 2^20 entries bound it near 200 MiB; 2^18 (50 MiB) covers ~15,000 prompts of 10 KB.
+A request adds at most `affinity.MAX_BLOCKS` + 1 entries. Removing a worker is O(1): its record
+is marked gone, so its entries stop counting as hits at once and are dropped when met or
+evicted (`index_entries` may count such stale entries until then).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable
+
+from tokenbroker.broker.affinity import RouteKey
+
+DEFAULT_INDEX_MAX_ENTRIES = 1 << 20
+
+
+@dataclass(eq=False)
+class _Worker:
+    """One incarnation of a worker: a re-added id gets a new record, so old index entries stay dead."""
+
+    wid: bytes
+    capacity: int
+    salt: int  # this id's rendezvous salt, hashed once
+    in_flight: int = 0
+    alive: bool = True
+
+
+class Router:
+    """Prefix affinity with rendezvous fallback, under a bounded-load rule (module docstring)."""
+
+    def __init__(self, *, balance_factor: float = 1.25, balance_margin: int = 2,
+                 index_max_entries: int = DEFAULT_INDEX_MAX_ENTRIES) -> None:
+        if balance_factor < 1.0:
+            raise ValueError(f"balance_factor must be >= 1.0, got {balance_factor}")
+        if balance_margin < 0:
+            raise ValueError(f"balance_margin must be >= 0, got {balance_margin}")
+        if index_max_entries < 1:
+            raise ValueError(f"index_max_entries must be >= 1, got {index_max_entries}")
+        self.balance_factor = balance_factor
+        self.balance_margin = balance_margin
+        self.index_max_entries = index_max_entries
+        self._workers: dict[bytes, _Worker] = {}
+        self._index: OrderedDict[bytes, _Worker] = OrderedDict()
+        self._total = 0
+        self._stats = {"picks": 0, "affinity_hits": 0, "rendezvous": 0, "spills": 0, "overflows": 0,
+                       "unkeyed": 0, "full": 0}
+
+    # --- worker events ---------------------------------------------------------------------
+
+    def add_worker(self, wid: bytes, capacity: int) -> None:
+        """A worker is ready with `capacity` slots; a known id just takes the new capacity."""
+        if capacity < 1:
+            raise ValueError(f"worker capacity must be >= 1, got {capacity}")
+        known = self._workers.get(wid)
+        if known is not None:
+            known.capacity = capacity
+            return
+        self._workers[wid] = _Worker(wid, capacity, _salt(wid))
+
+    def remove_worker(self, wid: bytes) -> None:
+        """The worker is gone: its in-flight count goes, its index entries stop counting."""
+        w = self._workers.pop(wid, None)
+        if w is None:
+            return
+        w.alive = False
+        self._total -= w.in_flight
+        w.in_flight = 0
+
+    def finished(self, wid: bytes) -> None:
+        """One job of `wid` is done (answered, failed or timed out). Unknown ids are ignored."""
+        w = self._workers.get(wid)
+        if w is not None and w.in_flight > 0:
+            w.in_flight -= 1
+            self._total -= 1
+
+    # --- the policy ------------------------------------------------------------------------
+
+    def pick(self, key: RouteKey | None) -> bytes | None:
+        """A worker with a free slot for this request, counted in flight; None when all are full."""
+        free = [w for w in self._workers.values() if w.in_flight < w.capacity]
+        if not free:
+            self._stats["full"] += 1
+            return None
+        self._stats["picks"] += 1
+        if key is None:
+            self._stats["unkeyed"] += 1
+            chosen = min(free, key=lambda w: (w.in_flight, w.wid))
+        else:
+            chosen = self._choose(key, free)
+            self._record(key, chosen)
+        chosen.in_flight += 1
+        self._total += 1
+        return chosen.wid
+
+    def preferred(self, key: RouteKey | None) -> bytes | None:
+        """The worker `key` would go to with no load: index hit, else rendezvous. Changes nothing."""
+        if key is None or not self._workers:
+            return None
+        w = self._lookup(key)
+        return (w or self._rendezvous(key.key, self._workers.values())).wid
+
+    def in_flight(self) -> dict[bytes, int]:
+        return {wid: w.in_flight for wid, w in self._workers.items()}
+
+    def bound(self, extra: int = 1) -> float:
+        """The most in-flight jobs a worker may reach when `extra` more jobs are placed."""
+        if not self._workers:
+            return 0.0
+        mean = (self._total + extra) / len(self._workers)
+        return max(self.balance_factor * mean, mean + self.balance_margin)
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start (picks, affinity_hits, rendezvous, spills, overflows, unkeyed, full)
+        and gauges (workers, in_flight, index_entries)."""
+        return {**self._stats, "workers": len(self._workers), "in_flight": self._total,
+                "index_entries": len(self._index)}
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _choose(self, key: RouteKey, free: list[_Worker]) -> _Worker:
+        hit = self._lookup(key)
+        home = hit or self._rendezvous(key.key, self._workers.values())
+        if home.in_flight < home.capacity and home.in_flight + 1 <= self.bound():
+            self._stats["affinity_hits" if hit else "rendezvous"] += 1
+            return home
+        # Spilled: over the bound, or merely full (an overflow). Least loaded, ties by rendezvous.
+        self._stats["spills" if home.in_flight < home.capacity else "overflows"] += 1
+        k = _key_int(key.key)
+        return min(free, key=lambda w: (w.in_flight, -_mix(w.salt ^ k)))
+
+    def _lookup(self, key: RouteKey) -> _Worker | None:
+        """The live worker of the deepest indexed block, else of the key; drops stale entries met."""
+        index = self._index
+        for h in (*reversed(key.blocks), key.key):
+            w = index.get(h)
+            if w is None:
+                continue
+            if w.alive:
+                return w
+            del index[h]
+        return None
+
+    def _record(self, key: RouteKey, w: _Worker) -> None:
+        index = self._index
+        for h in (key.key, *key.blocks) if not key.blocks or key.key != key.blocks[0] else key.blocks:
+            index[h] = w
+            index.move_to_end(h)
+        while len(index) > self.index_max_entries:
+            index.popitem(last=False)
+
+    @staticmethod
+    def _rendezvous(key: bytes, workers: Iterable[_Worker]) -> _Worker:
+        """Highest weight wins; weights are per (worker, key), so a leaving worker moves only its keys."""
+        k = _key_int(key)
+        return max(workers, key=lambda w: (_mix(w.salt ^ k), w.wid))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _salt(wid: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(b"tb-rendezvous\x00" + wid).digest()[:8], "little")
+
+
+def _key_int(key: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") if len(key) < 8 else int.from_bytes(key[:8], "little")
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's finalizer: a 64-bit bijection with full avalanche, so salt ^ key gives
+    independent-looking weights per worker (the rendezvous weight) at a few integer ops."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)

@@ -1,0 +1,244 @@
+"""Routing keys derived from requests: prefixes share blocks, hashing is linear and done by hashlib."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenbroker.broker import affinity
+from tokenbroker.broker.affinity import BOUNDARIES, MAX_BLOCKS, MAX_HASHED_BYTES, RouteKey, route_key
+from tokenbroker.common.protocol import Request
+
+SYSTEM = "You are a careful assistant. Answer in full sentences and cite the documents you use. " * 40
+
+
+def request(op: str, model: str | None = None, affinity_field: str | None = None, **fields: Any) -> Request:
+    return Request(id=1, op=op, model=model, deadline_ms=None, affinity=affinity_field, tokens_format="list",
+                   payload={"op": op, **fields})
+
+
+def tokenize_key(text: Any, model: str | None = None) -> RouteKey:
+    key = route_key(request("tokenize", model, text=text))
+    assert key is not None
+    return key
+
+
+def full_blocks(data: bytes) -> int:
+    """How many boundaries a byte string reaches: the blocks any longer text starting with it shares."""
+    return sum(1 for end in BOUNDARIES if end <= len(data))
+
+
+def conversation_texts(turns: int, user: str = "user-1") -> list[str]:
+    """Rendered prompts of one conversation: each turn's text starts with the previous one."""
+    text = f"<|system|>{SYSTEM}<|end|>"
+    out = []
+    for k in range(turns):
+        text += f"<|user|>{user} asks question {k}: " + "why? " * (40 + 13 * k) + "<|end|><|assistant|>"
+        out.append(text)
+        text += f"answer {k} for {user} " * (30 + 7 * k) + "<|end|>"
+    return out
+
+
+@pytest.mark.parametrize("op", ["detokenize", "models", "ping"])
+def test_ops_that_touch_no_cache_need_no_key(op: str) -> None:
+    assert route_key(request(op, tokens=[1, 2, 3])) is None
+
+
+def test_affinity_field_is_the_key_whatever_the_input() -> None:
+    a = route_key(request("tokenize", "m1", "session-7", text="hello"))
+    b = route_key(request("chat", "m2", "session-7", messages=[{"role": "user", "content": "bye"}]))
+    c = route_key(request("tokenize", "m1", "session-8", text="hello"))
+    assert a == b and a is not None and a.blocks == ()
+    assert c is not None and c.key != a.key
+
+
+def test_turn_k_plus_1_text_shares_every_full_block_of_turn_k() -> None:
+    texts = conversation_texts(8)
+    keys = [tokenize_key(t) for t in texts]
+    for prev_text, prev, nxt in zip(texts, keys, keys[1:]):
+        shared = full_blocks(prev_text.encode())
+        assert shared >= 1
+        assert nxt.blocks[:shared] == prev.blocks[:shared]
+        assert nxt.key == prev.key == prev.blocks[0]
+        assert len(nxt.blocks) > len(prev.blocks)
+
+
+def test_identical_texts_have_identical_keys_and_other_models_other_keys() -> None:
+    text = "the same prompt, sent twice " * 300
+    assert tokenize_key(text) == tokenize_key(str(text))
+    assert tokenize_key(text, "qwen").key != tokenize_key(text, "bert").key
+    assert tokenize_key(text).blocks[-1] != tokenize_key(text + "!").blocks[-1]
+
+
+def test_short_text_is_one_block_holding_the_whole_text() -> None:
+    key = tokenize_key("hi there")
+    assert len(key.blocks) == 1 and key.key == key.blocks[0]
+    assert tokenize_key("hi there!").key != key.key
+
+
+def test_conversations_on_one_system_prompt_share_its_blocks_then_diverge() -> None:
+    a = tokenize_key(conversation_texts(3, "alice")[-1])
+    b = tokenize_key(conversation_texts(3, "bob")[-1])
+    shared = full_blocks(f"<|system|>{SYSTEM}<|end|><|user|>".encode())
+    assert a.key == b.key
+    assert a.blocks[:shared] == b.blocks[:shared]
+    assert a.blocks[-1] != b.blocks[-1]
+
+
+def test_blocks_are_cut_on_bytes_so_non_ascii_text_works() -> None:
+    text = "日本語のテキスト、絵文字 🎉 も含む。" * 200
+    key = tokenize_key(text)
+    assert len(key.blocks) == full_blocks(text.encode()) + (len(text.encode()) not in BOUNDARIES)
+    longer = tokenize_key(text + "続き")
+    shared = full_blocks(text.encode())
+    assert longer.blocks[:shared] == key.blocks[:shared]
+
+
+def test_batch_of_one_is_keyed_like_its_text_and_join_points_matter() -> None:
+    text = conversation_texts(2)[-1]
+    assert tokenize_key([text]) == tokenize_key(text)
+    assert tokenize_key(["ab", "c"]) != tokenize_key(["a", "bc"])
+    batch = tokenize_key([text, "another text", "a third"])
+    shared = full_blocks(text.encode())
+    assert batch.blocks[:shared] == tokenize_key(text).blocks[:shared]
+
+
+def test_empty_inputs_still_have_a_key() -> None:
+    for key in (tokenize_key(""), tokenize_key([]), route_key(request("chat", messages=[]))):
+        assert key is not None and len(key.key) == affinity.DIGEST_BYTES and key.blocks == ()
+
+
+def chat_turns(user: str, turns: int) -> list[list[dict]]:
+    messages: list[dict] = [{"role": "system", "content": SYSTEM}]
+    out = []
+    for k in range(turns):
+        messages = [*messages, {"role": "user", "content": f"{user}: question {k}"}]
+        out.append(messages)
+        messages = [*messages, {"role": "assistant", "content": f"answer {k} to {user}"}]
+    return out
+
+
+def chat_key(messages: list[dict], **fields: Any) -> RouteKey:
+    key = route_key(request("chat", messages=messages, **fields))
+    assert key is not None
+    return key
+
+
+def test_chat_turn_k_plus_1_shares_its_first_messages_blocks_with_turn_k() -> None:
+    turns = chat_turns("alice", 6)
+    keys = [chat_key(m) for m in turns]
+    for msgs, prev, nxt in zip(turns, keys, keys[1:]):
+        assert len(prev.blocks) == len(msgs)
+        assert nxt.blocks[:len(msgs)] == prev.blocks
+        assert nxt.key == prev.key
+
+
+def test_chat_users_of_one_system_prompt_share_only_the_first_block() -> None:
+    a = chat_key(chat_turns("alice", 1)[0])
+    b = chat_key(chat_turns("bob", 1)[0])
+    assert a.blocks[0] == b.blocks[0] and a.key == b.key
+    assert a.blocks[1] != b.blocks[1]
+
+
+def test_chat_key_ignores_map_key_order_but_not_tools() -> None:
+    one = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    reordered = [{"content": "s", "role": "system"}, {"content": "u", "role": "user"}]
+    assert chat_key(one) == chat_key(reordered)
+    assert chat_key(one).key != chat_key(one, tools=[{"type": "function", "function": {"name": "f"}}]).key
+    assert chat_key(one) == chat_key(one, add_generation_prompt=False)
+
+
+def test_count_bodies_follow_their_conversation() -> None:
+    turns = chat_turns("carol", 3)
+    maps = [route_key(request("count", "gpt-4o", body={"model": "gpt-4o", "messages": m})) for m in turns]
+    assert all(k is not None for k in maps)
+    assert maps[1].blocks[:len(turns[0])] == maps[0].blocks  # type: ignore[union-attr]
+    texts = conversation_texts(3)
+    strs = [route_key(request("count", "gpt-4o", body=t, format="text")) for t in texts]
+    assert strs[1].blocks[:full_blocks(texts[0].encode())] == strs[0].blocks[:full_blocks(texts[0].encode())]  # type: ignore[union-attr]
+    as_bin = route_key(request("count", "gpt-4o", body=texts[0].encode()))
+    assert as_bin is not None and as_bin.key == strs[0].key  # type: ignore[union-attr]
+
+
+class CountingHash:
+    """Wraps hashlib.sha256 and counts what goes through it."""
+
+    def __init__(self) -> None:
+        self.objects = 0
+        self.updates = 0
+        self.bytes = 0
+
+    def new(self, data: bytes = b"") -> Any:
+        self.objects += 1
+        self.bytes += len(data)
+        return _Counted(hashlib.sha256(data), self)
+
+
+class _Counted:
+    def __init__(self, h: Any, counter: CountingHash) -> None:
+        self.h, self.counter = h, counter
+
+    def update(self, data: Any) -> None:
+        self.counter.updates += 1
+        self.counter.bytes += len(data)
+        self.h.update(data)
+
+    def copy(self) -> "_Counted":
+        return _Counted(self.h.copy(), self.counter)
+
+    def digest(self) -> bytes:
+        return self.h.digest()
+
+
+def test_module_hashes_with_hashlib() -> None:
+    assert affinity._new_hash is hashlib.sha256
+
+
+@pytest.mark.parametrize("size", [10, 5000, 300_000, 4 * 1024 * 1024])
+def test_text_is_hashed_once_per_byte_in_one_update_per_block(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    counter = CountingHash()
+    monkeypatch.setattr(affinity, "_new_hash", counter.new)
+    text = ("abcdefghij" * (size // 10 + 1))[:size]
+    key = tokenize_key(text)
+    hashed = min(size, MAX_HASHED_BYTES)
+    seed = len(affinity._seed(b"text", b""))
+    assert counter.bytes == hashed + seed  # every byte once, beyond the cap none
+    assert counter.updates == len(key.blocks) <= MAX_BLOCKS + 1  # no per-character work
+    assert counter.objects == 1
+
+
+def test_chat_is_hashed_once_per_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    counter = CountingHash()
+    monkeypatch.setattr(affinity, "_new_hash", counter.new)
+    messages = chat_turns("dave", 20)[-1]
+    key = chat_key(messages)
+    assert len(key.blocks) == len(messages)
+    assert counter.objects == 1
+    assert counter.updates == 2 * (len(messages) + 2)  # length and bytes per message, tools and kwargs
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20) | st.binary(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5) | st.integers(), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(op=st.sampled_from(["tokenize", "chat", "count"]), value=json_values)
+def test_malformed_inputs_never_raise_and_still_get_a_key(op: str, value: Any) -> None:
+    field = {"tokenize": "text", "chat": "messages", "count": "body"}[op]
+    key = route_key(request(op, **{field: value}))
+    assert key is not None and len(key.key) == affinity.DIGEST_BYTES
+    assert all(len(b) == affinity.DIGEST_BYTES for b in key.blocks)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prefix=st.text(min_size=0, max_size=3000), suffix=st.text(min_size=1, max_size=3000))
+def test_any_extension_keeps_the_full_blocks_of_its_prefix(prefix: str, suffix: str) -> None:
+    shared = full_blocks(prefix.encode())
+    assert tokenize_key(prefix + suffix).blocks[:shared] == tokenize_key(prefix).blocks[:shared]
