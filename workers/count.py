@@ -1,0 +1,446 @@
+"""The `count` op: the prompt tokens of a provider request body, counted locally.
+
+A gateway must know what a request will cost before it sends it. `count_request` parses the body,
+detects its format when not told, harvests what the model will read (count_formats.py), picks a
+tokenizer down a ladder and adds each format's framing and image tokens. Without `strict` it
+never fails on its input: it falls down the ladder and says so in `method` and `warnings`.
+
+The ladder, first that serves wins:
+
+1. tiktoken, for OpenAI model families (openai_encoding_for): method "tiktoken".
+2. a loaded tokenizer, by exact name or alias, then `--tokenizer-map` globs (env.loaded).
+3. the embedded fallback tokenizer: method "fallback".
+4. characters (Unicode code points) / 2, rounded up: method "estimate".
+
+Framing (documented choices; OpenAI's reproduces the Cookbook's published API counts):
+
+| format | per message | per `name` | per request | tool definitions |
+|---|---|---|---|---|
+| openai.chat | 3 (4 for gpt-3.5-turbo-0301) | +1 (-1 for 0301) | 3 reply priming (2 for o1/o3/o4/gpt-5) | Cookbook rule, TOOL_CONSTANTS |
+| openai.responses | as chat; `instructions` is a system message, a str `input` a user message, each item a message | - | as chat | as chat |
+| anthropic.messages | 3 (`system` is one message) | - | 3, plus 346 tool-use system prompt when tools are given (313 for tool_choice any/tool) | 3 + name + description + JSON of input_schema |
+| gemini.generate | 3 (`systemInstruction` is one content) | - | 3 | 3 + name + description + JSON of parameters |
+| text | 0 | - | 0 | - |
+
+Images (never text; by the provider's published rule where the body gives the size, else as a
+1024x1024 image, with a warning):
+
+| format | rule |
+|---|---|
+| OpenAI | tiles: fit in 2048x2048, shortest side to 768, base + tile x 512px tiles (detail low: base); base/tile 85/170 (gpt-4o, gpt-4.1, gpt-4.5), 2833/5667 (gpt-4o-mini), 75/150 (o1, o3), 70/140 (gpt-5), 65/129 (computer-use-preview); patches: 32px patches capped at 1536, times 1.62 (gpt-4.1-mini, gpt-5-mini), 2.46 (gpt-4.1-nano, gpt-5-nano), 1.72 (o4-mini) |
+| Anthropic | long edge to 1568 px, then width x height / 750, at most 1600 |
+| Gemini | 258 when both sides are 384 px or less, else 258 per 768x768 tile |
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from tokenbroker.common.errors import ProtocolError
+
+from .count_formats import FORMATS, HARVESTERS, FunctionDef, Harvest, Image, Notes, Walk, detect_format
+from .modelmap import normalise_openai_model, openai_encoding_for
+
+__all__ = ["Encoder", "CountEnv", "CountResult", "count_request", "openai_encoding_for", "FORMATS"]
+
+Encoder = Callable[[str], int]
+
+
+class CountEnv(Protocol):
+    """What the worker lends a count: its tokenizers, each behind its caches."""
+
+    def tiktoken(self, encoding: str) -> Encoder | None:
+        """An OpenAI encoding by name, None if not available here."""
+
+    def loaded(self, model: str) -> tuple[str, str, Encoder] | None:
+        """(vocabulary, method "huggingface" or "tiktoken", encoder) for this model name, None when nothing matches."""
+
+    def fallback(self) -> tuple[str, Encoder] | None:
+        """The embedded fallback tokenizer (vocabulary, encoder)."""
+
+
+@dataclass(frozen=True)
+class CountResult:
+    count: int
+    method: str
+    vocabulary: str | None
+    warnings: list[str]
+
+
+# --- constants -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Framing:
+    per_message: int
+    per_name: int
+    per_request: int
+
+
+@dataclass(frozen=True)
+class ToolConstants:
+    """The OpenAI Cookbook's num_tokens_for_tools constants."""
+
+    func_init: int
+    prop_init: int
+    prop_key: int
+    enum_init: int
+    enum_item: int
+    func_end: int
+
+
+FRAMING = {
+    "openai.chat": Framing(per_message=3, per_name=1, per_request=3),
+    "openai.responses": Framing(per_message=3, per_name=1, per_request=3),
+    "anthropic.messages": Framing(per_message=3, per_name=0, per_request=3),
+    "gemini.generate": Framing(per_message=3, per_name=0, per_request=3),
+    "text": Framing(per_message=0, per_name=0, per_request=0),
+}
+FRAMING_0301 = Framing(per_message=4, per_name=-1, per_request=3)  # a name replaces the role
+TOOL_CONSTANTS = {
+    "o200k_base": ToolConstants(func_init=7, prop_init=3, prop_key=3, enum_init=-3, enum_item=3, func_end=12),
+    "cl100k_base": ToolConstants(func_init=10, prop_init=3, prop_key=3, enum_init=-3, enum_item=3, func_end=12),
+}
+SCHEMA_TOOL_OVERHEAD = 3  # per function definition, Anthropic and Gemini
+ANTHROPIC_TOOL_PROMPT = 346  # Anthropic's published tool-use system prompt (Claude 4 / 3.7), tool_choice auto or none
+ANTHROPIC_TOOL_PROMPT_FORCED = 313  # tool_choice any or tool
+
+_0301 = re.compile(r"gpt-3\.5-turbo-0301")
+_REASONING = re.compile(r"(?:o1|o3|o4|gpt-5(?:\.\d+)?)(?:-.*)?", re.DOTALL)
+
+UNKNOWN_IMAGE_SIZE = (1024, 1024)
+_OPENAI_PATCHES = (  # (family, multiplier): 32px patches, at most 1536
+    (re.compile(r"gpt-4\.1-mini.*|gpt-5-mini.*"), 1.62),
+    (re.compile(r"gpt-4\.1-nano.*|gpt-5-nano.*"), 2.46),
+    (re.compile(r"o4-mini.*"), 1.72),
+)
+_OPENAI_TILES = (  # (family, base, per 512px tile)
+    (re.compile(r"gpt-4o-mini.*"), 2833, 5667),
+    (re.compile(r"(?:o1|o3)(?:-.*)?"), 75, 150),
+    (re.compile(r"gpt-5(?:\.\d+)?(?:-.*)?"), 70, 140),
+    (re.compile(r"computer-use-preview.*"), 65, 129),
+)
+_OPENAI_DEFAULT_TILES = (85, 170)  # gpt-4o, gpt-4.1, gpt-4.5 and any other name
+
+
+# --- images ----------------------------------------------------------------------------------------
+
+
+def openai_image_tokens(width: int, height: int, *, detail: str | None, model: str) -> int:
+    """OpenAI's published rule; `model` normalised. detail auto counts as high.
+
+    >>> openai_image_tokens(1024, 1024, detail="high", model="gpt-4o"), openai_image_tokens(1024, 1024, detail="low", model="gpt-4o")
+    (765, 85)
+    """
+    for family, multiplier in _OPENAI_PATCHES:
+        if family.fullmatch(model):
+            return math.ceil(_patches(width, height) * multiplier)
+    base, tile = next(((b, t) for f, b, t in _OPENAI_TILES if f.fullmatch(model)), _OPENAI_DEFAULT_TILES)
+    if detail == "low":
+        return base
+    w, h = float(width), float(height)
+    if max(w, h) > 2048:
+        w, h = w * 2048 / max(w, h), h * 2048 / max(w, h)
+    if min(w, h) > 768:
+        w, h = w * 768 / min(w, h), h * 768 / min(w, h)
+    return base + tile * math.ceil(w / 512) * math.ceil(h / 512)
+
+
+def _patches(width: int, height: int) -> int:
+    w, h = float(width), float(height)
+    if math.ceil(w / 32) * math.ceil(h / 32) > 1536:
+        shrink = math.sqrt(32 * 32 * 1536 / (w * h))
+        w, h = w * shrink, h * shrink
+        fit = min(math.floor(w / 32) / (w / 32), math.floor(h / 32) / (h / 32))
+        w, h = w * fit, h * fit
+    return min(1536, math.ceil(w / 32) * math.ceil(h / 32))
+
+
+def anthropic_image_tokens(width: int, height: int) -> int:
+    """Anthropic's published rule.
+
+    >>> anthropic_image_tokens(1000, 1000), anthropic_image_tokens(4000, 4000)
+    (1334, 1600)
+    """
+    w, h = float(width), float(height)
+    if max(w, h) > 1568:
+        w, h = w * 1568 / max(w, h), h * 1568 / max(w, h)
+    return min(1600, math.ceil(w * h / 750))
+
+
+def gemini_image_tokens(width: int, height: int) -> int:
+    """Google's published rule for Gemini 2.x.
+
+    >>> gemini_image_tokens(300, 300), gemini_image_tokens(1024, 1024)
+    (258, 1032)
+    """
+    if width <= 384 and height <= 384:
+        return 258
+    return 258 * math.ceil(width / 768) * math.ceil(height / 768)
+
+
+def _image_tokens(images: list[Image], fmt: str, model: str, notes: Notes) -> int:
+    def rule(w: int, h: int, detail: str | None) -> int:
+        if fmt.startswith("openai."):
+            return openai_image_tokens(w, h, detail=detail, model=model)
+        if fmt == "anthropic.messages":
+            return anthropic_image_tokens(w, h)
+        return gemini_image_tokens(w, h)
+
+    total = 0
+    for img in images:
+        if img.width and img.height:
+            total += rule(img.width, img.height, img.detail)
+        elif img.detail == "low" and fmt.startswith("openai.") and not any(f.fullmatch(model) for f, _ in _OPENAI_PATCHES):
+            total += rule(*UNKNOWN_IMAGE_SIZE, "low")  # a low-detail image costs the base whatever its size
+        else:
+            estimate = rule(*UNKNOWN_IMAGE_SIZE, img.detail)
+            total += estimate
+            notes.add(f"An image whose size the body does not give was counted as a 1024x1024 image ({estimate} tokens), an estimate.")
+    return total
+
+
+# --- tool definitions ------------------------------------------------------------------------------
+
+
+def _strip_dot(text: str) -> str:
+    return text[:-1] if text.endswith(".") else text
+
+
+def _type_name(spec: dict) -> str:
+    kind = spec.get("type")
+    if isinstance(kind, list):
+        return " | ".join(str(k) for k in kind)
+    return kind if isinstance(kind, str) else ""
+
+
+def cookbook_tool_tokens(functions: list[FunctionDef], encode: Encoder, c: ToolConstants, walk: Walk) -> int:
+    """The Cookbook's num_tokens_for_tools; nested object properties count by the same rule (our extension)."""
+    if not functions:
+        return 0
+    n = c.func_end
+    for f in functions:
+        n += c.func_init + encode(f.name + ":" + _strip_dot(f.description))
+        params = f.parameters if isinstance(f.parameters, dict) else {}
+        stack = [params.get("properties")]
+        while stack:
+            props = stack.pop()
+            if not isinstance(props, dict) or not props:
+                continue
+            n += c.prop_init
+            for key, spec in props.items():
+                walk.budget -= 1
+                if walk.budget < 0:
+                    walk.notes.add("The tool definitions are too large to count fully: some properties were not counted.")
+                    return n
+                spec = spec if isinstance(spec, dict) else {}
+                n += c.prop_key
+                if isinstance(spec.get("enum"), list):
+                    n += c.enum_init
+                    for item in spec["enum"]:
+                        n += c.enum_item + encode(item if isinstance(item, str) else walk.to_json(item))
+                description = spec.get("description") if isinstance(spec.get("description"), str) else ""
+                n += encode(f"{key}:{_type_name(spec)}:{_strip_dot(description)}")
+                items = spec.get("items")
+                stack.append(spec.get("properties"))
+                if isinstance(items, dict):
+                    stack.append(items.get("properties"))
+    return n
+
+
+def schema_tool_tokens(functions: list[FunctionDef], encode: Encoder, walk: Walk) -> int:
+    n = 0
+    for f in functions:
+        n += SCHEMA_TOOL_OVERHEAD + encode(f.name) + encode(f.description)
+        if f.parameters is not None:
+            n += encode(walk.to_json(f.parameters))
+    return n
+
+
+# --- the ladder ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Tokenizer:
+    method: str
+    vocabulary: str | None
+    encode: Encoder
+
+
+def estimate_tokens(text: str) -> int:
+    """The last rung: one token per two characters (code points), rounded up."""
+    return (len(text) + 1) // 2
+
+
+def _vendor_note(model: str | None, fmt: str) -> str | None:
+    name = normalise_openai_model(model) if model else ""
+    if name.startswith("claude") or (not model and fmt == "anthropic.messages"):
+        return "Anthropic does not publish Claude's tokenizer: this count is an estimate."
+    if name.startswith("gemini") or (not model and fmt == "gemini.generate"):
+        return "Google does not publish Gemini's tokenizer: this count is an estimate."
+    return None
+
+
+def resolve_tokenizer(model: str | None, *, strict: bool, env: CountEnv, notes: Notes) -> _Tokenizer:
+    """The first rung of the ladder that serves `model`; strict refuses to fall below a named model's tokenizer."""
+    if model is not None:
+        encoding = openai_encoding_for(model)
+        if encoding is not None:
+            encoder = env.tiktoken(encoding)
+            if encoder is not None:
+                return _Tokenizer("tiktoken", encoding, encoder)
+            notes.add(f"The tiktoken encoding {encoding} for model {model!r} is not available here.")
+        loaded = env.loaded(model)
+        if loaded is not None:
+            vocabulary, method, encoder = loaded
+            return _Tokenizer(method, vocabulary, encoder)
+        if strict:
+            raise ProtocolError("unknown_model", f"field 'model': no tokenizer is available for {model!r} (strict count)")
+        notes.add(f"No tokenizer is loaded for model {model!r}.")
+    else:
+        notes.add("No model was given in the request or in the body.")
+    fallback = env.fallback()
+    if fallback is not None:
+        vocabulary, encoder = fallback
+        notes.add(f"Counted with the embedded fallback tokenizer {vocabulary!r}, an approximation.")
+        return _Tokenizer("fallback", vocabulary, encoder)
+    notes.add("No tokenizer is available: the count is an estimate of one token per two characters.")
+    return _Tokenizer("estimate", None, estimate_tokens)
+
+
+# --- parsing ---------------------------------------------------------------------------------------
+
+
+def _decode(body: bytes, *, strict: bool, notes: Notes) -> str:
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if strict:
+            raise ProtocolError("invalid_input", f"field 'body' is not valid UTF-8: {e.reason} at byte {e.start}") from e
+        notes.add("The body is not valid UTF-8: invalid bytes were replaced.")
+        return body.decode("utf-8", errors="replace")
+
+
+def _parse(text: str, *, strict: bool, notes: Notes) -> object:
+    """The JSON value of `text`; malformed JSON is the text itself, said in a note (with strict: invalid_input)."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        problem = f"is not JSON ({e})"
+    except RecursionError:
+        problem = "nests too deeply to parse"
+    if strict:
+        raise ProtocolError("invalid_input", f"field 'body' {problem}")
+    notes.add(f"The body {problem}: it was counted as raw text.")
+    return _RawText(text)
+
+
+@dataclass(frozen=True)
+class _RawText:
+    text: str
+
+
+def _value(body: dict | str | bytes, fmt: str | None, *, strict: bool, walk: Walk) -> dict | str:
+    """The body as a map for the provider formats, or the str that is counted as it is."""
+    notes = walk.notes
+    value: object = _decode(body, strict=strict, notes=notes) if isinstance(body, bytes) else body
+    if fmt == "text":
+        if isinstance(value, dict):
+            notes.add("A map body was counted as its JSON text.")
+            return walk.to_json(value)
+        return value  # a str body is counted as it is
+    if isinstance(value, str):
+        value = _parse(value, strict=strict, notes=notes)
+    if isinstance(value, _RawText):
+        return value.text
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        notes.add("The body is a JSON string, not an object: its content was counted as text.")
+        return value
+    notes.add("The body is JSON but not an object: its JSON text was counted.")
+    return walk.to_json(value)
+
+
+def _format(value: dict, fmt: str | None, model: str | None, walk: Walk) -> str | None:
+    """The given format, else the body's shape's (said in a note); None when it is unrecognisable."""
+    if fmt is not None:
+        return fmt
+    fmt = detect_format(value, model)
+    if fmt is None:
+        walk.notes.add("The body's format is not recognised: its JSON text was counted.")
+    else:
+        walk.notes.add(f"The format was not given: the body's shape says {fmt}.")
+    return fmt
+
+
+# --- counting --------------------------------------------------------------------------------------
+
+
+def _chat_framing(fmt: str, model: str) -> Framing:
+    framing = FRAMING[fmt]
+    if not fmt.startswith("openai."):
+        return framing
+    if _0301.fullmatch(model):
+        framing = FRAMING_0301
+    if _REASONING.fullmatch(model):
+        framing = Framing(framing.per_message, framing.per_name, framing.per_request - 1)
+    return framing
+
+
+def _count_harvest(h: Harvest, fmt: str, model: str | None, encode: Encoder, walk: Walk) -> int:
+    name = normalise_openai_model(model) if model else ""
+    framing = _chat_framing(fmt, name)
+    n = framing.per_request
+    for m in h.messages:
+        n += framing.per_message + sum(encode(t) for t in m.texts if t)
+        if m.named:
+            n += framing.per_name
+    if fmt.startswith("openai."):
+        constants = TOOL_CONSTANTS.get(openai_encoding_for(name) or "", TOOL_CONSTANTS["o200k_base"])
+        n += cookbook_tool_tokens(h.functions, encode, constants, walk)
+    else:
+        n += schema_tool_tokens(h.functions, encode, walk)
+    if fmt == "anthropic.messages" and h.tools_given:
+        n += ANTHROPIC_TOOL_PROMPT_FORCED if h.tool_choice_forced else ANTHROPIC_TOOL_PROMPT
+    return n + _image_tokens(h.images, fmt, name, walk.notes)
+
+
+def count_request(body: object, *, format: str | None, model: str | None, strict: bool, env: CountEnv) -> CountResult:
+    """Count the prompt tokens of a provider request body (docs/protocol.md, op `count`).
+
+    Raises ProtocolError: bad_request for a `format` or `body` of the wrong kind; with `strict`,
+    invalid_input for a body that is not JSON (or not UTF-8) and unknown_model when no tokenizer
+    serves the named model.
+    """
+    if format is not None and format not in FORMATS:
+        raise ProtocolError("bad_request", f"field 'format' must be one of {', '.join(FORMATS)} or nil, got {format!r}")
+    if not isinstance(body, (dict, str, bytes)):
+        raise ProtocolError("bad_request", f"field 'body' must be a map, str or bin, got {type(body).__name__}")
+    notes = Notes()
+    walk = Walk(notes)
+    value = _value(body, format, strict=strict, walk=walk)
+    if model is None and isinstance(value, dict) and isinstance(value.get("model"), str):
+        model = value["model"]
+    fmt = "text"
+    if isinstance(value, dict):
+        detected = _format(value, format, model, walk)
+        if detected is None:
+            value = walk.to_json(value)
+        else:
+            fmt = detected
+    tokenizer = resolve_tokenizer(model, strict=strict, env=env, notes=notes)
+    vendor = _vendor_note(model, fmt)
+    if vendor and tokenizer.method != "tiktoken":
+        notes.add(vendor)
+    if isinstance(value, str):
+        count = tokenizer.encode(value) if value else 0
+    else:
+        harvest = HARVESTERS[fmt](walk, value)
+        count = _count_harvest(harvest, fmt, model, tokenizer.encode, walk)
+    return CountResult(count=max(0, count), method=tokenizer.method, vocabulary=tokenizer.vocabulary, warnings=notes.sentences())

@@ -1,0 +1,628 @@
+"""Harvesting provider request bodies: what each format's own schema says the model will read.
+
+Each `harvest_*` function walks one provider's schema (never a generic walk over key names) and
+returns a `Harvest`: the texts of each message (each encoded on its own), function definitions,
+images, and what was skipped, said in `Notes`. Framing and image rules live in count.py.
+
+What is counted, per format (anything else is skipped, with a warning where it could cost tokens):
+
+| format | counted | skipped |
+|---|---|---|
+| openai.chat | `messages[]`: role, content (str, or text/refusal parts joined), name, refusal, tool_calls[].function name and arguments (custom: name and input), legacy function_call; `tools[]` and legacy `functions[]` (function and custom); images | tool_call_id, audio, input_audio and file parts, response_format, built-in tools |
+| openai.responses | `instructions`, `input` (str, or items: messages with input_text/output_text/refusal parts, function_call name and arguments, function_call_output, custom_tool_call(_output), reasoning summary and content text, mcp_call, code_interpreter_call code); `tools[]` function and custom; images | call ids, input_file and input_audio, encrypted reasoning, item_reference, previous_response_id, prompt, built-in tools |
+| anthropic.messages | `system` (str or text blocks), `messages[]` content (str or blocks: text, thinking, tool_use and server_tool_use name and input, tool_result content, document text/content sources with title and context, search_result); `tools[]` name, description, input_schema; images | signatures, redacted_thinking, PDF/URL/file documents, server tool results, built-in tools |
+| gemini.generate | `systemInstruction`, `contents[]` parts: text (thoughts too), functionCall name and args, functionResponse name and response, executableCode, codeExecutionResult; `tools[].functionDeclarations`; images in inlineData/fileData | thoughtSignature, non-image inline/file data, built-in tools, cachedContent |
+
+Objects (`arguments` given as objects, `input`, `args`, `response`, schemas) are serialised as compact
+JSON, iteratively (a body nested 100,000 deep is no RecursionError) under a node budget (bounded work
+even for a Python object that shares sub-objects). Base64 data is never text: an image's size is read
+from its header where the body carries it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import json.encoder
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMATS = ("openai.chat", "openai.responses", "anthropic.messages", "gemini.generate", "text")
+
+MAX_JSON_NODES = 250_000  # values written without the C encoder per request (deep or shared objects); beyond it they are cut, with a warning
+IMAGE_HEADER_CHARS = 1 << 20  # base64 characters decoded to find an image's size (JPEG may put EXIF first)
+
+
+class Notes:
+    """Warnings as sentences, each said once, in the order first said."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, None] = {}
+
+    def add(self, sentence: str) -> None:
+        self._seen.setdefault(sentence, None)
+
+    def sentences(self) -> list[str]:
+        return list(self._seen)
+
+
+@dataclass(frozen=True)
+class Image:
+    """An image the request carries: its size when the body tells, OpenAI's `detail` when given."""
+
+    width: int | None = None
+    height: int | None = None
+    detail: str | None = None
+
+
+@dataclass(frozen=True)
+class FunctionDef:
+    name: str
+    description: str
+    parameters: Any = None  # a JSON schema object, or None
+
+
+@dataclass
+class Message:
+    texts: list[str] = field(default_factory=list)  # each encoded on its own
+    named: bool = False  # carries OpenAI's `name` (tokens_per_name)
+
+
+@dataclass
+class Harvest:
+    messages: list[Message] = field(default_factory=list)
+    functions: list[FunctionDef] = field(default_factory=list)
+    images: list[Image] = field(default_factory=list)
+    tool_choice_forced: bool = False  # Anthropic tool_choice any/tool (its tool-use system prompt differs)
+    tools_given: bool = False
+
+
+class Walk:
+    """What one count shares while harvesting: its notes and the node budget of JSON serialisation."""
+
+    def __init__(self, notes: Notes, budget: int = MAX_JSON_NODES) -> None:
+        self.notes = notes
+        self.budget = budget
+
+    def to_json(self, value: Any) -> str:
+        """Compact JSON of `value` as a model would read it; bin values become null.
+
+        A plain tree of modest depth (every body that came off the wire) goes through the C encoder;
+        a deep one or one that shares sub-objects (only a Python caller can build those) is written
+        without recursion under the node budget, so neither can raise RecursionError or run unbounded.
+        """
+        if _plain_tree(value):
+            return json.dumps(value, ensure_ascii=False, separators=(",", ":"), skipkeys=True, default=self._binary)
+        return self._to_json_iterative(value)
+
+    def _binary(self, value: Any) -> None:
+        self.notes.add("Binary values inside objects are not counted as text.")
+        return None
+
+    def _to_json_iterative(self, value: Any) -> str:
+        out: list[str] = []
+        stack: list[Any] = [_Value(value)]  # a str on the stack is output; a _Value is still to write
+        while stack:
+            item = stack.pop()
+            if type(item) is str:
+                out.append(item)
+                continue
+            if self.budget <= 0:
+                self.notes.add("The body is too large to serialise fully: parts of its objects were not counted.")
+                break
+            self.budget -= 1
+            v = item.value
+            if isinstance(v, dict):
+                entries = [(k, x) for k, x in v.items() if isinstance(k, (str, int, float))]
+                stack.append("}")
+                for i in range(len(entries) - 1, -1, -1):
+                    k, x = entries[i]
+                    stack.append(_Value(x))
+                    stack.append(("," if i else "") + _json_key(k) + ":")
+                out.append("{")
+            elif isinstance(v, (list, tuple)):
+                stack.append("]")
+                for i in range(len(v) - 1, -1, -1):
+                    stack.append(_Value(v[i]))
+                    if i:
+                        stack.append(",")
+                out.append("[")
+            elif isinstance(v, str):
+                out.append(_encode_str(v))
+            elif isinstance(v, (bytes, bytearray)):
+                out.append("null")
+                self._binary(v)
+            elif v is None or isinstance(v, (int, float)):
+                out.append(json.dumps(v))
+            else:
+                out.append(_encode_str(str(v)))
+        return "".join(out)
+
+
+_encode_str = json.encoder.encode_basestring  # the C encoder json.dumps(ensure_ascii=False) uses
+
+
+def _json_key(key: str | int | float) -> str:
+    """A key as json.dumps writes it: non-str keys become strings of their JSON text."""
+    return _encode_str(key if isinstance(key, str) else json.dumps(key))
+
+
+class _Value:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+PLAIN_DEPTH = 200  # deeper objects are written without the C encoder's recursion
+
+
+def _plain_tree(value: Any) -> bool:
+    """True when `value` nests less than PLAIN_DEPTH deep, has only str keys and no container appears twice."""
+    if not isinstance(value, (dict, list, tuple)):
+        return True
+    seen: set[int] = set()
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if depth >= PLAIN_DEPTH or id(v) in seen:
+            return False
+        seen.add(id(v))
+        if isinstance(v, dict):
+            if any(type(k) is not str for k in v):
+                return False
+            children: Iterable[Any] = v.values()
+        else:
+            children = v
+        for child in children:
+            if isinstance(child, (dict, list, tuple)):
+                stack.append((child, depth + 1))
+    return True
+
+
+# --- small typed readers ---------------------------------------------------------------------------
+
+
+def _s(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _dict(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _get(d: dict, *names: str) -> Any:
+    """The first of a field's spellings that is present (Gemini's REST API takes camelCase and snake_case)."""
+    for name in names:
+        if name in d:
+            return d[name]
+    return None
+
+
+def _args_text(walk: Walk, value: Any) -> str:
+    """Arguments or input: a JSON string as given, an object serialised as JSON."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    return walk.to_json(value)
+
+
+# --- images ----------------------------------------------------------------------------------------
+
+
+def image_size(data: bytes) -> tuple[int, int] | None:
+    """Width and height from a PNG, GIF, WebP or JPEG header; None for anything else.
+
+    >>> image_size(bytes.fromhex("89504e470d0a1a0a0000000d49484452") + struct.pack(">II", 640, 480))
+    (640, 480)
+    """
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
+        return struct.unpack(">II", data[16:24])
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return struct.unpack("<HH", data[6:10])
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP" and len(data) >= 30:
+        return _webp_size(data)
+    if data[:2] == b"\xff\xd8":
+        return _jpeg_size(data)
+    return None
+
+
+def _webp_size(data: bytes) -> tuple[int, int] | None:
+    chunk = data[12:16]
+    if chunk == b"VP8 ":
+        w, h = struct.unpack("<HH", data[26:30])
+        return w & 0x3FFF, h & 0x3FFF
+    if chunk == b"VP8L":
+        b0, b1, b2, b3 = data[21:25]
+        return 1 + (((b1 & 0x3F) << 8) | b0), 1 + (((b3 & 0x0F) << 10) | (b2 << 2) | ((b1 & 0xC0) >> 6))
+    if chunk == b"VP8X":
+        return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+    return None
+
+
+_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+    i = 2
+    while i + 9 <= len(data):
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in _SOF:
+            h, w = struct.unpack(">HH", data[i + 5 : i + 9])
+            return w, h
+        if 0xD0 <= marker <= 0xD9 or marker == 0x01:
+            i += 2
+            continue
+        i += 2 + struct.unpack(">H", data[i + 2 : i + 4])[0]
+    return None
+
+
+def base64_image_size(b64: str) -> tuple[int, int] | None:
+    """The size of a base64-encoded image, decoding only its first bytes (the data is never text)."""
+    head = "".join(b64[:IMAGE_HEADER_CHARS].split())
+    head = head[: len(head) - len(head) % 4]
+    try:
+        return image_size(base64.b64decode(head))
+    except (binascii.Error, ValueError, struct.error):
+        return None
+
+
+def url_image(url: Any, detail: Any = None) -> Image:
+    """An image by URL: a `data:` URL tells its size, any other URL does not."""
+    size = None
+    if isinstance(url, str) and url.startswith("data:") and ";base64," in url[:200]:
+        size = base64_image_size(url.partition(";base64,")[2])
+    return Image(*(size or (None, None)), detail=_s(detail))
+
+
+# --- OpenAI chat completions -----------------------------------------------------------------------
+
+
+def _chat_content(walk: Walk, content: Any, h: Harvest) -> str:
+    """The text of a chat `content`: a str, or its text parts joined (images go to h.images)."""
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for part in _list(content):
+        kind = _dict(part).get("type")
+        if kind == "text":
+            texts.append(_s(part.get("text")) or "")
+        elif kind == "refusal":
+            texts.append(_s(part.get("refusal")) or "")
+        elif kind == "image_url":
+            ref = part.get("image_url")
+            h.images.append(url_image(ref.get("url"), ref.get("detail")) if isinstance(ref, dict) else url_image(ref))
+        elif kind in ("input_audio", "file"):
+            walk.notes.add(f"Content parts of type '{kind}' are not counted (audio and files are not text).")
+        else:
+            walk.notes.add(f"A content part of type {kind!r} was not recognised and not counted.")
+    return "".join(texts)
+
+
+def _tool_call_texts(walk: Walk, call: Any) -> list[str]:
+    call = _dict(call)
+    if call.get("type") == "custom" or "custom" in call:
+        c = _dict(call.get("custom"))
+        return [_s(c.get("name")) or "", _args_text(walk, c.get("input"))]
+    f = _dict(call.get("function"))
+    return [_s(f.get("name")) or "", _args_text(walk, f.get("arguments"))]
+
+
+def _openai_tools(walk: Walk, tools: Any, h: Harvest, *, nested: bool) -> None:
+    """Function and custom tools; chat nests a function under `function`, Responses does not."""
+    for tool in _list(tools):
+        tool = _dict(tool)
+        h.tools_given = True
+        kind = tool.get("type", "function")
+        if kind == "function":
+            f = _dict(tool.get("function")) if nested else tool
+            h.functions.append(FunctionDef(_s(f.get("name")) or "", _s(f.get("description")) or "", f.get("parameters")))
+        elif kind == "custom":
+            c = _dict(tool.get("custom")) if nested else tool
+            h.functions.append(FunctionDef(_s(c.get("name")) or "", _s(c.get("description")) or ""))
+        else:
+            walk.notes.add(f"Built-in tools (type {kind!r}) are not counted.")
+
+
+def harvest_openai_chat(walk: Walk, body: dict) -> Harvest:
+    h = Harvest()
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        walk.notes.add("The body has no 'messages' list: no messages were counted.")
+    for msg in _list(messages):
+        if not isinstance(msg, dict):
+            walk.notes.add("A message that is not an object was not counted.")
+            continue
+        m = Message(texts=[_s(msg.get("role")) or "", _chat_content(walk, msg.get("content"), h)])
+        name = _s(msg.get("name"))
+        if name is not None:
+            m.texts.append(name)
+            m.named = True
+        refusal = _s(msg.get("refusal"))
+        if refusal:
+            m.texts.append(refusal)
+        for call in _list(msg.get("tool_calls")):
+            m.texts += _tool_call_texts(walk, call)
+        if isinstance(msg.get("function_call"), dict):
+            m.texts += _tool_call_texts(walk, {"function": msg["function_call"]})
+        h.messages.append(m)
+    _openai_tools(walk, body.get("tools"), h, nested=True)
+    for f in _list(body.get("functions")):
+        _openai_tools(walk, [{"type": "function", "function": f}], h, nested=True)
+    return h
+
+
+# --- OpenAI responses ------------------------------------------------------------------------------
+
+
+def _responses_parts(walk: Walk, content: Any, h: Harvest) -> str:
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for part in _list(content):
+        part = _dict(part)
+        kind = part.get("type")
+        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
+            texts.append(_s(part.get("text")) or "")
+        elif kind == "refusal":
+            texts.append(_s(part.get("refusal")) or "")
+        elif kind == "input_image":
+            h.images.append(url_image(part.get("image_url"), part.get("detail")))
+        elif kind in ("input_file", "input_audio"):
+            walk.notes.add(f"Content parts of type '{kind}' are not counted (audio and files are not text).")
+        else:
+            walk.notes.add(f"A content part of type {kind!r} was not recognised and not counted.")
+    return "".join(texts)
+
+
+def _responses_item(walk: Walk, item: dict, h: Harvest) -> Message | None:
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        return Message(texts=[_s(item.get("role")) or "", _responses_parts(walk, item.get("content"), h)])
+    if kind in ("function_call", "custom_tool_call"):
+        args = item.get("arguments") if kind == "function_call" else item.get("input")
+        return Message(texts=[_s(item.get("name")) or "", _args_text(walk, args)])
+    if kind in ("function_call_output", "custom_tool_call_output"):
+        return Message(texts=[_responses_parts(walk, item.get("output"), h)])
+    if kind == "reasoning":
+        texts = [_s(_dict(p).get("text")) or "" for p in _list(item.get("summary")) + _list(item.get("content"))]
+        if item.get("encrypted_content"):
+            walk.notes.add("Encrypted reasoning content is not counted.")
+        return Message(texts=texts)
+    if kind == "mcp_call":
+        return Message(texts=[_s(item.get("name")) or "", _args_text(walk, item.get("arguments")), _s(item.get("output")) or ""])
+    if kind == "code_interpreter_call":
+        return Message(texts=[_s(item.get("code")) or ""])
+    walk.notes.add(f"Input items of type {kind!r} are not counted.")
+    return None
+
+
+def harvest_openai_responses(walk: Walk, body: dict) -> Harvest:
+    h = Harvest()
+    instructions = body.get("instructions")
+    if isinstance(instructions, str):
+        h.messages.append(Message(texts=["system", instructions]))
+    items = body.get("input")
+    if isinstance(items, str):
+        h.messages.append(Message(texts=["user", items]))
+    elif isinstance(instructions, list):
+        items = instructions + _list(items)
+    for item in _list(items):
+        if not isinstance(item, dict):
+            walk.notes.add("An input item that is not an object was not counted.")
+            continue
+        m = _responses_item(walk, item, h)
+        if m is not None:
+            h.messages.append(m)
+    if body.get("previous_response_id") or body.get("conversation"):
+        walk.notes.add("Earlier turns referenced by previous_response_id or conversation are not counted.")
+    if body.get("prompt") is not None:
+        walk.notes.add("A stored prompt referenced by 'prompt' is not counted.")
+    _openai_tools(walk, body.get("tools"), h, nested=False)
+    return h
+
+
+# --- Anthropic messages ----------------------------------------------------------------------------
+
+
+def _anthropic_image(walk: Walk, source: Any) -> Image:
+    source = _dict(source)
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        size = base64_image_size(source["data"])
+        if size:
+            return Image(*size)
+    return Image()
+
+
+def _anthropic_blocks(walk: Walk, content: Any, h: Harvest) -> list[str]:
+    """Texts of a content (str or blocks); tool_result and document content are walked one level down."""
+    if isinstance(content, str):
+        return [content]
+    texts: list[str] = []
+    pending = list(reversed(_list(content)))
+    while pending:
+        block = _dict(pending.pop())
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_s(block.get("text")) or "")
+        elif kind == "thinking":
+            texts.append(_s(block.get("thinking")) or "")
+        elif kind in ("tool_use", "server_tool_use"):
+            texts += [_s(block.get("name")) or "", _args_text(walk, block.get("input"))]
+        elif kind == "tool_result":
+            inner = block.get("content")
+            if isinstance(inner, str):
+                texts.append(inner)
+            else:
+                pending.extend(reversed([b for b in _list(inner) if _dict(b).get("type") != "tool_result"]))
+        elif kind == "image":
+            h.images.append(_anthropic_image(walk, block.get("source")))
+        elif kind == "document":
+            texts += [t for t in (_s(block.get("title")), _s(block.get("context"))) if t]
+            source = _dict(block.get("source"))
+            if source.get("type") == "text":
+                texts.append(_s(source.get("data")) or "")
+            elif source.get("type") == "content":
+                inner = source.get("content")
+                if isinstance(inner, str):
+                    texts.append(inner)
+                else:
+                    pending.extend(reversed([b for b in _list(inner) if _dict(b).get("type") in ("text", "image")]))
+            else:
+                walk.notes.add("Documents given as PDF, URL or file are not counted.")
+        elif kind == "search_result":
+            texts += [_s(block.get("title")) or "", _s(block.get("source")) or ""]
+            pending.extend(reversed([b for b in _list(block.get("content")) if _dict(b).get("type") == "text"]))
+        elif kind == "redacted_thinking":
+            walk.notes.add("Redacted thinking is not counted (its data is encrypted).")
+        else:
+            walk.notes.add(f"Content blocks of type {kind!r} are not counted.")
+    return texts
+
+
+def harvest_anthropic(walk: Walk, body: dict) -> Harvest:
+    h = Harvest()
+    system = body.get("system")
+    if system is not None:
+        h.messages.append(Message(texts=_anthropic_blocks(walk, system, h)))
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        walk.notes.add("The body has no 'messages' list: no messages were counted.")
+    for msg in _list(messages):
+        if not isinstance(msg, dict):
+            walk.notes.add("A message that is not an object was not counted.")
+            continue
+        h.messages.append(Message(texts=_anthropic_blocks(walk, msg.get("content"), h)))
+    for tool in _list(body.get("tools")):
+        tool = _dict(tool)
+        h.tools_given = True
+        if tool.get("type", "custom") == "custom":
+            h.functions.append(FunctionDef(_s(tool.get("name")) or "", _s(tool.get("description")) or "", tool.get("input_schema")))
+        else:
+            walk.notes.add(f"Built-in tools (type {tool.get('type')!r}) are not counted.")
+    h.tool_choice_forced = _dict(body.get("tool_choice")).get("type") in ("any", "tool")
+    return h
+
+
+# --- Gemini generateContent ------------------------------------------------------------------------
+
+
+def _gemini_parts(walk: Walk, content: Any, h: Harvest) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    texts: list[str] = []
+    for part in _list(_dict(content).get("parts")):
+        part = _dict(part)
+        if isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        inline = _dict(_get(part, "inlineData", "inline_data"))
+        file = _dict(_get(part, "fileData", "file_data"))
+        for blob, has_data in ((inline, True), (file, False)):
+            if not blob:
+                continue
+            mime = _s(_get(blob, "mimeType", "mime_type")) or ""
+            if mime.startswith("image/"):
+                size = base64_image_size(blob["data"]) if has_data and isinstance(blob.get("data"), str) else None
+                h.images.append(Image(*(size or (None, None))))
+            else:
+                walk.notes.add(f"Inline and file data of type {mime or 'unknown'!r} are not counted (only images are).")
+        call = _dict(_get(part, "functionCall", "function_call"))
+        if call:
+            texts += [_s(call.get("name")) or "", _args_text(walk, call.get("args"))]
+        response = _dict(_get(part, "functionResponse", "function_response"))
+        if response:
+            texts += [_s(response.get("name")) or "", _args_text(walk, response.get("response"))]
+        code = _dict(_get(part, "executableCode", "executable_code"))
+        if code:
+            texts.append(_s(code.get("code")) or "")
+        result = _dict(_get(part, "codeExecutionResult", "code_execution_result"))
+        if result:
+            texts.append(_s(result.get("output")) or "")
+    return texts
+
+
+def harvest_gemini(walk: Walk, body: dict) -> Harvest:
+    h = Harvest()
+    system = _get(body, "systemInstruction", "system_instruction")
+    if system is not None:
+        h.messages.append(Message(texts=_gemini_parts(walk, system, h)))
+    contents = body.get("contents")
+    if isinstance(contents, (str, dict)):
+        contents = [contents]
+    if not isinstance(contents, list):
+        walk.notes.add("The body has no 'contents' list: no contents were counted.")
+    for content in _list(contents):
+        if not isinstance(content, (dict, str)):
+            walk.notes.add("A content that is not an object was not counted.")
+            continue
+        h.messages.append(Message(texts=_gemini_parts(walk, content, h)))
+    for tool in _list(body.get("tools")):
+        tool = _dict(tool)
+        h.tools_given = True
+        declarations = _get(tool, "functionDeclarations", "function_declarations")
+        for f in _list(declarations):
+            f = _dict(f)
+            schema = _get(f, "parameters", "parametersJsonSchema", "parameters_json_schema")
+            h.functions.append(FunctionDef(_s(f.get("name")) or "", _s(f.get("description")) or "", schema))
+        if declarations is None or len(tool) > 1:
+            walk.notes.add("Built-in tools (search, code execution, ...) are not counted.")
+    if _get(body, "cachedContent", "cached_content"):
+        walk.notes.add("Cached content referenced by cachedContent is not counted.")
+    return h
+
+
+HARVESTERS = {
+    "openai.chat": harvest_openai_chat,
+    "openai.responses": harvest_openai_responses,
+    "anthropic.messages": harvest_anthropic,
+    "gemini.generate": harvest_gemini,
+}
+
+
+# --- detection -------------------------------------------------------------------------------------
+
+_ANTHROPIC_BLOCKS = frozenset({"tool_use", "tool_result", "thinking", "redacted_thinking", "document", "search_result", "server_tool_use"})
+_ANTHROPIC_KEYS = frozenset({"system", "anthropic_version", "stop_sequences", "top_k"})
+
+
+def _content_types(messages: list) -> Iterable[tuple[str | None, dict]]:
+    for msg in messages:
+        for part in _list(_dict(msg).get("content")):
+            if isinstance(part, dict):
+                yield part.get("type"), part
+
+
+def detect_format(body: dict, model: str | None) -> str | None:
+    """The format a body's shape says, or None when it looks like none of them."""
+    if "contents" in body or "systemInstruction" in body or "system_instruction" in body:
+        return "gemini.generate"
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        if _ANTHROPIC_KEYS & body.keys() or any("input_schema" in _dict(t) for t in _list(body.get("tools"))):
+            return "anthropic.messages"
+        for kind, part in _content_types(messages):
+            if kind in _ANTHROPIC_BLOCKS or (kind == "image" and "source" in part):
+                return "anthropic.messages"
+            if kind in ("image_url", "input_audio", "file"):
+                return "openai.chat"
+        if any(_dict(m).get("role") in ("system", "developer", "tool", "function") or "tool_calls" in _dict(m) for m in messages):
+            return "openai.chat"
+        if model and model.lower().rsplit("/", 1)[-1].startswith("claude"):
+            return "anthropic.messages"
+        return "openai.chat"
+    if "input" in body or "instructions" in body:
+        return "openai.responses"
+    return None
