@@ -388,3 +388,50 @@ def test_the_recursion_free_serialiser_writes_what_json_dumps_writes(value: obje
     expected = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     assert Walk(Notes())._to_json_iterative(value) == expected
     assert Walk(Notes()).to_json(value) == expected
+
+
+# --- the remaining fields, per format --------------------------------------------------------------
+
+
+def test_chat_assistant_audio_reference_is_not_counted() -> None:
+    plain = {"role": "assistant", "content": "Hi"}
+    assert delta("openai.chat", chat_with(plain), chat_with(plain | {"audio": {"id": "audio_abc123"}})) == (0, [])
+
+
+def test_responses_mcp_code_interpreter_custom_output_and_reasoning_content() -> None:
+    e = o200k()
+    mcp = {"type": "mcp_call", "id": "m", "server_label": "s", "name": "list_repos", "arguments": "{}", "output": "3 repos"}
+    code = {"type": "code_interpreter_call", "id": "ci", "code": "print(2+2)", "container_id": "c"}
+    custom_out = {"type": "custom_tool_call_output", "call_id": "c", "output": "total 0"}
+    reasoning = {"type": "reasoning", "id": "rs", "summary": [], "content": [{"type": "reasoning_text", "text": "Add them."}]}
+    assert delta("openai.responses", RESP, resp_with(mcp))[0] == 3 + e("list_repos") + e("{}") + e("3 repos")
+    assert delta("openai.responses", RESP, resp_with(code))[0] == 3 + e("print(2+2)")
+    assert delta("openai.responses", RESP, resp_with(custom_out))[0] == 3 + e("total 0")
+    assert delta("openai.responses", RESP, resp_with(reasoning)) == (3 + e("Add them."), [])
+
+
+def test_responses_stored_prompts_and_conversations_are_not_counted() -> None:
+    cost, warnings = delta("openai.responses", RESP, resp_with(prompt={"id": "pmpt_1"}, conversation="conv_1"))
+    assert cost == 0 and warnings == ["Earlier turns referenced by previous_response_id or conversation are not counted.",
+                                      "A stored prompt referenced by 'prompt' is not counted."]
+
+
+def test_anthropic_server_tools_search_results_content_documents_and_tool_result_images() -> None:
+    e = deepseek()
+    server = {"role": "assistant", "content": [
+        {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "tides"}},
+        {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": [{"type": "web_search_result", "encrypted_content": "Eq" * 50}]}]}
+    assert delta("anthropic.messages", ANT, ant_with(server)) == (
+        3 + e("web_search") + e('{"query":"tides"}'), ["Content blocks of type 'web_search_tool_result' are not counted."])
+    search = {"role": "user", "content": [{"type": "search_result", "source": "https://t.org", "title": "Tides",
+                                           "content": [{"type": "text", "text": "Moon pulls water."}], "citations": {"enabled": True}}]}
+    assert delta("anthropic.messages", ANT, ant_with(search))[0] == 3 + e("Tides") + e("https://t.org") + e("Moon pulls water.")
+    doc = {"role": "user", "content": [{"type": "document", "context": "From the wiki", "source": {"type": "content", "content": [{"type": "text", "text": "Part one."}]}}]}
+    assert delta("anthropic.messages", ANT, ant_with(doc))[0] == 3 + e("From the wiki") + e("Part one.")
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64png(200, 200)}}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "screenshot:"}, shot]}]}
+    assert delta("anthropic.messages", ANT, ant_with(result)) == (3 + e("screenshot:") + 54, [])
+
+
+def test_gemini_cached_content_is_not_counted() -> None:
+    assert delta("gemini.generate", GEM, gem_with(cachedContent="cachedContents/abc")) == (0, ["Cached content referenced by cachedContent is not counted."])
