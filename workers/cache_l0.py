@@ -72,7 +72,7 @@ class L0Cache:
         charge = sys.getsizeof(text) + 4 * len(ids) + ENTRY_OVERHEAD
         if charge > self.max_bytes // 4:
             return
-        entry = _Entry(array(ID_TYPECODE, ids), len(text.encode("utf-8")), charge)
+        entry = _Entry(array(ID_TYPECODE, ids), len(text.encode("utf-8", "surrogatepass")), charge)
         key = (text, add_special_tokens)
         with self._lock:
             old = self._map.pop(key, None)

