@@ -108,6 +108,28 @@ def test_preferred_worker_full_but_within_bound_overflows_to_a_free_one() -> Non
     assert r.stats()["overflows"] == 1
 
 
+def test_without_overflow_a_job_waits_for_its_full_preferred_worker() -> None:
+    r = router(capacity=2, balance_margin=10)
+    key = session("busy")
+    home = pick(r, key)
+    assert pick(r, key) == home
+    assert r.pick(key, overflow=False) is None  # others are free, but it would rather wait
+    assert r.in_flight()[home] == 2 and r.stats()["in_flight"] == 2
+    elsewhere = next(w for w in WORKERS if w != home)
+    assert r.pick(key_preferring(r, elsewhere), overflow=False) == elsewhere
+    r.finished(home)
+    assert r.pick(key, overflow=False) == home
+
+
+def test_without_overflow_an_overloaded_preferred_worker_is_still_left() -> None:
+    r = router(capacity=10)
+    key = session("hot")
+    home = pick(r, key)
+    assert pick(r, key) == home
+    assert r.pick(key, overflow=False) not in (None, home)  # 3 > mean + margin: spilled
+    assert r.stats()["spills"] == 1
+
+
 def test_pick_says_none_only_when_every_worker_is_full() -> None:
     r = router(capacity=2)
     held = [pick(r, session(f"k{i}")) for i in range(8)]
