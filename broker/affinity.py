@@ -226,6 +226,10 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON: {type(value).__name__}")
 
 
+# Built once: json.dumps() with options builds an encoder per call. Its configuration never changes.
+_JSON = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=_json_default)
+
+
 def _canonical(value: Any) -> bytes:
     """Bytes that equal for equal values whatever the key order a client's encoder used.
 
@@ -233,10 +237,9 @@ def _canonical(value: Any) -> bytes:
     MessagePack, which keeps the client's order (fine within one client's conversation).
     """
     try:
-        return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"),
-                          default=_json_default).encode("utf-8", "surrogatepass")
-    except (TypeError, ValueError):
+        return _JSON.encode(value).encode("utf-8", "surrogatepass")
+    except (TypeError, ValueError, RecursionError):
         try:
             return pack(value)
-        except Exception:
-            return repr(value).encode("utf-8", "surrogatepass")
+        except Exception:  # nested too deep for both: the worker will reject it anyway
+            return b"\x00unencodable"
