@@ -219,3 +219,26 @@ def test_text_with_lone_surrogates_is_tokenized_as_the_tokenizer_does() -> None:
     text = f"a\ud800b{EOT}c"
     want = tok.raw.encode(text, allowed_special="all")
     assert c.encode(text)[0] == want and c.encode(text)[0] == want
+
+
+def test_l1_entry_is_charged_its_prefix_bytes_its_ids_and_a_fixed_overhead() -> None:
+    from tokenbroker.workers.cache_l1 import ENTRY_OVERHEAD
+
+    tok = TiktokenTok()
+    c = TokenCache(tok, CacheConfig(l1_enabled=True))
+    prefix = f"naïve prefix{EOT}"
+    c.encode(prefix + "rest")
+    s = c.stats()["l1"]
+    n_ids = len(tok.raw.encode(prefix, allowed_special="all"))
+    assert s["entries"] == 1 and s["bytes"] == len(prefix.encode()) + 4 * n_ids + ENTRY_OVERHEAD
+
+
+def test_l1_flood_of_tiny_distinct_prefixes_stays_in_budget() -> None:
+    from tokenbroker.workers.cache_l1 import ENTRY_OVERHEAD
+
+    budget = 64 * 1024
+    c = TokenCache(TiktokenTok(), CacheConfig(l1_enabled=True, l1_max_memory=budget))
+    for i in range(3000):
+        c.encode(f"{i}{EOT}x")
+    s = c.stats()["l1"]
+    assert s["bytes"] <= budget and s["entries"] <= budget // ENTRY_OVERHEAD and s["evictions"] > 0

@@ -32,7 +32,10 @@ from .cache_l0 import ID_TYPECODE, LayerStats
 log = logging.getLogger(__name__)
 
 EVICTION_SAMPLE = 32
-ENTRY_OVERHEAD = 200  # dict slot, key digest, entry object and array header, roughly (not charged)
+# Charged per entry on top of the prefix bytes and 4 bytes per id: the dict slot, key digest, entry
+# object and array header really take about this much, and without it a flood of distinct tiny
+# prefixes could hold many times the budget.
+ENTRY_OVERHEAD = 256
 
 
 class Tokenizer(Protocol):
@@ -118,7 +121,10 @@ class Segmenter:
             raise NotSplittable(f"unknown tokenizer kind {tok.kind!r}")
         # A special with whitespace at its edge could meet an lstrip/rstrip neighbour: never split there.
         self._specials = {t: i for t, i in specials.items() if t and t == t.strip()}
-        self._matcher = trie_regex(sorted({t.encode("utf-8") for t in matched if t}))
+        try:
+            self._matcher = trie_regex(sorted({t.encode("utf-8") for t in matched if t}))
+        except (RecursionError, OverflowError, re.error) as e:
+            raise NotSplittable(f"cannot build a matcher for {len(matched)} added tokens: {e}") from e
         self._by_bytes = {t.encode("utf-8"): (i, t) for t, i in self._specials.items()}
         # tiktoken encodes the text between specials on its own: when every special it knows is a
         # boundary, a piece is that text's ordinary encoding plus the special's id (no per-call set).
@@ -332,7 +338,7 @@ class L1Cache:
             if ids is None:
                 return self._fallback(text, add_special_tokens)
             acc.extend(ids)
-            new.append((keys[i], acc[:], b.end + 4 * len(acc)))
+            new.append((keys[i], acc[:], b.end + 4 * len(acc) + ENTRY_OVERHEAD))
             left, pos = b, b.end
         rest = self._seg.encode_piece(data[pos:].decode("utf-8"), left, None)
         if rest is None:
