@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import zmq
 
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import Envelope, Request, echo_id, error_reply, parse_request, unpack
+from tokenbroker.common.protocol import Envelope, Request, error_reply, parse_request, peek_id
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,13 @@ class Frontend:
                       f"a message is an optional empty delimiter then one payload frame; got {e.count} frames")
             return None
         if len(raw) > self.max_request_bytes:
-            self.fail(envelope, None, "too_large",
+            self.fail(envelope, peek_id(raw), "too_large",
                       f"payload is {len(raw)} bytes; this broker takes at most {self.max_request_bytes} (--max-request-bytes)")
             return None
         try:
             request = parse_request(raw)
         except ProtocolError as e:
-            self.fail(envelope, _safe_id(raw), e.code, e.message)
+            self.fail(envelope, peek_id(raw), e.code, e.message)
             return None
         return Incoming(envelope, raw, request)
 
@@ -75,10 +75,3 @@ class Frontend:
 
     def fail(self, envelope: Envelope, request_id: object, code: str, message: str) -> None:
         self.reply(envelope, error_reply(request_id, code, message))
-
-
-def _safe_id(raw: bytes) -> object:
-    try:
-        return echo_id(unpack(raw))
-    except ProtocolError:
-        return None

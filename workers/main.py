@@ -168,6 +168,7 @@ class IoThread(threading.Thread):
                     poller.register(sock, zmq.POLLIN)
                     liveness = HEARTBEAT_LIVENESS
         sock.close(linger=2000)
+        self.results.close(linger=0)
         self.shared.jobs.put(None)
         self.done.set()
 
