@@ -32,6 +32,7 @@ from .supervisor import Supervisor
 log = logging.getLogger(__name__)
 
 FRONTEND_BATCH = 512  # messages read per turn, so the backend is never starved
+AFFINITY_LOOKAHEAD = 64  # queued jobs offered to their preferred worker before strict FIFO
 SHUTDOWN_GRACE_S = 10.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -167,7 +168,6 @@ class Broker:
             self.pending.append(job)
             self.waiting += 1
             heapq.heappush(self.deadlines, (job.deadline, job.job_id))
-        self._dispatch(now)
 
     def _answer(self, job: Job, payload: bytes, outcome: str, now: float) -> None:
         job.answered = True
@@ -180,7 +180,28 @@ class Broker:
     # --- dispatch ----------------------------------------------------------------------
 
     def _dispatch(self, now: float) -> None:
-        while self.pending:
+        """Fill free worker slots: first the jobs whose preferred worker has room, then in order.
+
+        Without the first pass a saturated pool hands each freed slot to the queue's head,
+        whatever worker it prefers, and affinity is lost exactly when it matters most.
+        """
+        free = sum(w.ready.capacity - len(w.jobs) for w in self.backend.workers.values() if not w.draining)
+        if free <= 0 or not self.pending:
+            return
+        kept: list[Job] = []
+        for _ in range(min(AFFINITY_LOOKAHEAD, len(self.pending))):
+            job = self.pending.popleft()
+            if job.answered:
+                self.jobs.pop(job.job_id, None)
+                continue
+            wid = self.router.pick(job.route, overflow=False) if free > 0 else None
+            if wid is None:
+                kept.append(job)
+            else:
+                self._send(job, wid, now)
+                free -= 1
+        self.pending.extendleft(reversed(kept))
+        while self.pending and free > 0:
             job = self.pending[0]
             if job.answered:
                 self.pending.popleft()
@@ -190,11 +211,15 @@ class Broker:
             if wid is None:
                 return
             self.pending.popleft()
-            self.waiting -= 1
-            job.worker = wid
-            job.attempts += 1
-            budget_ms = max(1, int((job.deadline - now) * 1000))
-            self.backend.send_job(wid, job.job_id, budget_ms, job.raw)
+            self._send(job, wid, now)
+            free -= 1
+
+    def _send(self, job: Job, wid: bytes, now: float) -> None:
+        self.waiting -= 1
+        job.worker = wid
+        job.attempts += 1
+        budget_ms = max(1, int((job.deadline - now) * 1000))
+        self.backend.send_job(wid, job.job_id, budget_ms, job.raw)
 
     def _requeue(self, job: Job) -> None:
         job.worker = None
@@ -213,7 +238,6 @@ class Broker:
             self._on_result(event, now)
         elif isinstance(event, Left):
             self._worker_gone(event.wid, event.why, now)
-        self._dispatch(now)
 
     def _on_result(self, result: Result, now: float) -> None:
         worker = self.backend.workers.get(result.wid)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tokenbroker.common.config import EMBEDDED_DEFAULT, CacheConfig, ModelConfig, ModelSpec
+from tokenbroker.common.config import EMBEDDED_DEFAULT, EMBEDDED_DEFAULT_NAME, CacheConfig, ModelConfig, ModelSpec
 from tokenbroker.common.errors import BootError, ProtocolError
 
 from .cache import CacheOutcome, TokenCache
@@ -117,8 +117,8 @@ class ModelRegistry:
             for n in (m.name, *m.spec.aliases):
                 self._by_name[n] = m
         self._map = TokenizerMap(config.tokenizer_map)
-        self._encodings: dict[str, Model | None] = {}
-        self._encodings_lock = threading.Lock()
+        self._extras: dict[str, Model | None] = {}
+        self._extras_lock = threading.Lock()
 
     @property
     def default(self) -> Model:
@@ -143,18 +143,25 @@ class ModelRegistry:
 
     def encoding(self, name: str) -> Model | None:
         """An OpenAI encoding for counting, loaded on first use through tiktoken's cache; None if unavailable."""
-        if name not in OPENAI_ENCODINGS:
-            return None
-        with self._encodings_lock:
-            if name not in self._encodings:
-                loaded = next((m for m in self.models if m.spec.source == name), None)
+        return self._extra(name) if name in OPENAI_ENCODINGS else None
+
+    def fallback(self) -> Model | None:
+        """The embedded tokenizer, the counting ladder's last tokenizer rung (whatever the default model is)."""
+        return self._extra(EMBEDDED_DEFAULT)
+
+    def _extra(self, source: str) -> Model | None:
+        """A model loaded on demand for counting, once; a loaded model with that source serves instead."""
+        with self._extras_lock:
+            if source not in self._extras:
+                loaded = next((m for m in self.models if m.spec.source == source), None)
                 if loaded is None:
+                    name = EMBEDDED_DEFAULT_NAME if source == EMBEDDED_DEFAULT else source
                     try:
-                        loaded = _load_model(ModelSpec(name=name, source=name), self._config.cache)
+                        loaded = _load_model(ModelSpec(name=name, source=source), self._config.cache)
                     except BootError as e:
-                        log.warning("encoding %s is not available here: %s", name, e)
-                self._encodings[name] = loaded
-            return self._encodings[name]
+                        log.warning("tokenizer %s is not available here: %s", source, e)
+                self._extras[source] = loaded
+            return self._extras[source]
 
     def describe(self) -> list[dict]:
         return [m.describe() for m in self.models]
@@ -162,7 +169,8 @@ class ModelRegistry:
     def cache_stats(self) -> dict[str, dict[str, int]]:
         """Cache counters summed over every tokenizer this worker holds (encodings for counting too)."""
         total: dict[str, dict[str, int]] = {}
-        caches = [m.cache for m in self.models] + [m.cache for m in list(self._encodings.values()) if m is not None]
+        extras = [m for m in list(self._extras.values()) if m is not None]
+        caches = {id(m.cache): m.cache for m in (*self.models, *extras)}.values()  # a loaded model may serve as an extra too
         for cache in caches:
             for layer, counters in cache.stats().items():
                 acc = total.setdefault(layer, {})
@@ -197,5 +205,5 @@ class WorkerCountEnv:
         return found.name, found.tokenizer.kind, self._encoder(found)
 
     def fallback(self) -> tuple[str, Callable[[str], int]] | None:
-        d = self._registry.default
-        return d.name, self._encoder(d)
+        model = self._registry.fallback()
+        return (model.name, self._encoder(model)) if model is not None else None
