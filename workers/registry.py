@@ -16,7 +16,7 @@ from tokenbroker.common.config import EMBEDDED_DEFAULT, EMBEDDED_DEFAULT_NAME, C
 from tokenbroker.common.errors import BootError, ProtocolError
 
 from .cache import CacheOutcome, TokenCache
-from .chat import ChatRenderer, ChatTemplates, discover_chat_templates
+from .chat import ChatRenderer, ChatTemplates, discover_chat_templates, special_tokens_from_config
 from .modelmap import TokenizerMap
 from .tokenizers import Tokenizer, load_tokenizer
 
@@ -48,7 +48,9 @@ class Model:
                 f"model {self.name!r} has no chat template (give one with --chat-template or --model-chat-template)",
             )
         if self._renderer is None:
-            self._renderer = ChatRenderer(self.templates, self.tokenizer.named_specials)
+            # what transformers passes: the named specials plus the config's model-specific ones
+            specials = {**self.tokenizer.named_specials, **special_tokens_from_config(self.tokenizer.tokenizer_config)}
+            self._renderer = ChatRenderer(self.templates, specials)
         return self._renderer
 
     def describe(self) -> dict:
