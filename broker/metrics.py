@@ -1,41 +1,274 @@
-"""Prometheus exporter for the pool (first cut: request counts and latency; the full set follows).
+"""Prometheus exporter for the pool: request counts and latency, pool gauges, and the workers' cache counters.
 
-The loop calls the event methods; `publish()` hands over a snapshot copy that scrapes read from
-the HTTP thread, so a scrape never touches live loop structures.
+The loop calls the event methods and `publish()`s a snapshot each turn; scrapes run on the HTTP
+thread and read only that snapshot (never live loop structures). Workers send cumulative counters
+per incarnation (one worker process) with their heartbeats; `Ledger` keeps the highest seen per
+incarnation, so a repeated or late report does no harm and a departed worker's counts stay in the
+totals while its gauges go: counters never fall. docs/metrics.md lists the series and the queries.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
+from collections import OrderedDict
+from typing import Any, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+__all__ = ["PoolMetrics", "PoolCollector", "Ledger", "LATENCY_BUCKETS", "CACHE_LAYERS"]
+
+CACHE_LAYERS = ("l0", "l1")
+CACHE_COUNTERS = ("hits", "misses", "evictions", "reused_bytes")  # cumulative within an incarnation
+CACHE_GAUGES = ("entries", "bytes")  # the layer's size now
+WORKER_STATES = ("idle", "busy", "draining")
+# Tokenizing one request takes from tens of microseconds (a cache hit) to seconds (a book).
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
+RETIRED_KEEP = 4096  # departed incarnations remembered one by one; older ones fold into a baseline
+# Router counters exported as tokenbroker_router_picks_total{how}: stats key -> label value.
+ROUTER_PICKS = {"affinity_hits": "affinity", "rendezvous": "rendezvous", "spills": "spill",
+                "overflows": "overflow", "unkeyed": "unkeyed"}
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (the broker's share of smg_allocator_allocated_bytes)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # not Linux: peak instead of current, the best available
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _int(value: Any) -> int:
+    """A counter value from a worker report; anything malformed counts as 0 rather than breaking a scrape."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def report_counters(report: Mapping[str, Any]) -> dict[str, int]:
+    """The cumulative counters in one heartbeat body, flat: {"served": n, "l0.hits": n, ...}.
+
+    >>> report_counters({"served": 3, "caches": {"l0": {"hits": 2, "entries": 9}}})["l0.hits"]
+    2
+    """
+    out = {"served": _int(report.get("served"))}
+    caches = report.get("caches")
+    caches = caches if isinstance(caches, Mapping) else {}
+    for layer in CACHE_LAYERS:
+        stats = caches.get(layer)
+        stats = stats if isinstance(stats, Mapping) else {}
+        for key in CACHE_COUNTERS:
+            out[f"{layer}.{key}"] = _int(stats.get(key))
+    return out
+
+
+class Ledger:
+    """Cumulative worker counters per incarnation; `totals()` never falls.
+
+    Keeps each incarnation's highest counters (reports are cumulative, so the highest is the
+    latest; a repeat or an old report changes nothing). Departed incarnations stay remembered one
+    by one, so one that comes back (a remote worker reconnecting) continues rather than counting
+    twice; beyond `keep` of them the oldest fold into a baseline sum. Not thread-safe: the owner locks.
+    """
+
+    def __init__(self, keep: int = RETIRED_KEEP) -> None:
+        self.keep = keep
+        self._by_incarnation: OrderedDict[str, dict[str, int]] = OrderedDict()  # least recently reported first
+        self._baseline: dict[str, int] = {}
+
+    def observe(self, report: Mapping[str, Any]) -> None:
+        incarnation = report.get("incarnation")
+        if not isinstance(incarnation, str) or not incarnation:
+            return  # an empty report (a worker gone before its first heartbeat) counted nothing
+        new = report_counters(report)
+        seen = self._by_incarnation.pop(incarnation, None)
+        if seen is not None:
+            new = {k: max(v, seen.get(k, 0)) for k, v in new.items()}
+        self._by_incarnation[incarnation] = new
+
+    def totals(self, live: Iterable[str] = ()) -> dict[str, int]:
+        """Sum over every incarnation ever seen; folds the oldest departed ones beyond `keep`."""
+        live = set(live)
+        self._fold(live)
+        total = dict(self._baseline)
+        for counters in self._by_incarnation.values():
+            for k, v in counters.items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def _fold(self, live: set[str]) -> None:
+        excess = len(self._by_incarnation) - len(live) - self.keep
+        for incarnation in list(self._by_incarnation):
+            if excess <= 0:
+                return
+            if incarnation in live:
+                continue
+            for k, v in self._by_incarnation.pop(incarnation).items():
+                self._baseline[k] = self._baseline.get(k, 0) + v
+            excess -= 1
+
+
+class PoolCollector:
+    """Builds fresh families per scrape from the last published snapshot and the ledger."""
+
+    def __init__(self, metrics: "PoolMetrics") -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot, totals = self._metrics.read()
+        workers = [w for w in snapshot.get("workers", []) if isinstance(w, Mapping)]
+        yield from _cache_families(workers, totals)
+        yield from _pool_families(snapshot, workers, totals)
+        yield from _process_families(workers, self._metrics.started)
+        yield from _router_families(snapshot.get("router") or {})
+
+
+def _layer_sizes(workers: list[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    sizes = {layer: dict.fromkeys(CACHE_GAUGES, 0) for layer in CACHE_LAYERS}
+    for w in workers:
+        caches = (w.get("report") or {}).get("caches")
+        if not isinstance(caches, Mapping):
+            continue
+        for layer in CACHE_LAYERS:
+            stats = caches.get(layer) if isinstance(caches.get(layer), Mapping) else {}
+            for key in CACHE_GAUGES:
+                sizes[layer][key] += _int(stats.get(key))
+    return sizes
+
+
+def _cache_families(workers: list[Mapping[str, Any]], totals: Mapping[str, int]) -> Iterator[Metric]:
+    """The series operators already query (smg_*), then the pool's own cache gauges."""
+    lookups = CounterMetricFamily("smg_tokenizer_cache_lookups", "Tokenizer cache lookups, all tokenizers and workers; an L0 hit never reaches L1",
+                                  labels=["layer", "result"])
+    evictions = CounterMetricFamily("smg_tokenizer_cache_evictions", "Entries evicted from a tokenizer cache layer", labels=["layer"])
+    reused = CounterMetricFamily("smg_tokenizer_cache_reused_bytes", "Input bytes whose tokens came from the cache (L0: the whole text; L1: the prefix)",
+                                 labels=["layer"])
+    for layer in CACHE_LAYERS:
+        lookups.add_metric([layer, "hit"], totals.get(f"{layer}.hits", 0))
+        lookups.add_metric([layer, "miss"], totals.get(f"{layer}.misses", 0))
+        evictions.add_metric([layer], totals.get(f"{layer}.evictions", 0))
+        reused.add_metric([layer], totals.get(f"{layer}.reused_bytes", 0))
+    yield from (lookups, evictions, reused)
+    sizes = _layer_sizes(workers)
+    entries = GaugeMetricFamily("tokenbroker_cache_entries", "Entries held by a cache layer, all live workers", labels=["layer"])
+    charged = GaugeMetricFamily("tokenbroker_cache_bytes", "Bytes charged to a cache layer's budget, all live workers", labels=["layer"])
+    for layer in CACHE_LAYERS:
+        entries.add_metric([layer], sizes[layer]["entries"])
+        charged.add_metric([layer], sizes[layer]["bytes"])
+    yield from (entries, charged)
+
+
+def _pool_families(snapshot: Mapping[str, Any], workers: list[Mapping[str, Any]], totals: Mapping[str, int]) -> Iterator[Metric]:
+    yield GaugeMetricFamily("tokenbroker_queue_depth", "Requests waiting for a worker", value=_int(snapshot.get("queue_depth")))
+    yield GaugeMetricFamily("tokenbroker_requests_held", "Requests received and not yet answered (queued or at a worker)",
+                            value=_int(snapshot.get("held")))
+    yield CounterMetricFamily("tokenbroker_worker_restarts", "Local workers restarted after an exit", value=_int(snapshot.get("restarts")))
+    yield CounterMetricFamily("tokenbroker_worker_jobs", "Jobs workers finished, all workers ever", value=totals.get("served", 0))
+    states = GaugeMetricFamily("tokenbroker_workers", "Connected workers by state", labels=["state"])
+    for state in WORKER_STATES:
+        states.add_metric([state], sum(1 for w in workers if w.get("state") == state))
+    yield states
+    in_flight = GaugeMetricFamily("tokenbroker_worker_in_flight", "Jobs a worker holds now", labels=["worker"])
+    capacity = GaugeMetricFamily("tokenbroker_worker_capacity", "Jobs a worker takes at once", labels=["worker"])
+    info = GaugeMetricFamily("tokenbroker_worker_info", "A connected worker: its host and pid", labels=["worker", "host", "pid"])
+    for w in workers:
+        name = str(w.get("name", ""))
+        in_flight.add_metric([name], _int(w.get("in_flight")))
+        capacity.add_metric([name], _int(w.get("capacity")))
+        info.add_metric([name, str(w.get("host", "")), str(w.get("pid", ""))], 1)
+    yield from (in_flight, capacity, info)
+
+
+def _process_families(workers: list[Mapping[str, Any]], started: float) -> Iterator[Metric]:
+    """Resident memory per process, and the pool's total as smg_allocator_allocated_bytes."""
+    memory = GaugeMetricFamily("tokenbroker_process_resident_memory_bytes", "Resident memory of the broker and of each live worker (from its last heartbeat)",
+                               labels=["process"])
+    own = resident_bytes()
+    memory.add_metric(["broker"], own)
+    total = own
+    for w in workers:
+        rss = _int((w.get("report") or {}).get("rss"))
+        if rss:  # none before the worker's first heartbeat: unknown, not zero
+            memory.add_metric([str(w.get("name", ""))], rss)
+            total += rss
+    yield memory
+    yield GaugeMetricFamily("smg_allocator_allocated_bytes", "Memory the pool holds: resident memory of the broker and its live workers",
+                            value=total)
+    yield GaugeMetricFamily("tokenbroker_start_time_seconds", "When the broker started, in seconds since the Unix epoch", value=started)
+
+
+def _router_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
+    picks = CounterMetricFamily("tokenbroker_router_picks", "Jobs routed, by how the worker was chosen", labels=["how"])
+    for key, how in ROUTER_PICKS.items():
+        picks.add_metric([how], _int(stats.get(key)))
+    yield picks
+    yield CounterMetricFamily("tokenbroker_router_full", "Routing attempts that found every worker full", value=_int(stats.get("full")))
+    yield GaugeMetricFamily("tokenbroker_router_index_entries", "Prefix blocks in the router's affinity index",
+                            value=_int(stats.get("index_entries")))
 
 
 class PoolMetrics:
-    def __init__(self) -> None:
+    """What the loop reports to; owns the broker's own CollectorRegistry (never the global one)."""
+
+    def __init__(self, *, retired_keep: int = RETIRED_KEEP) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("tokenbroker_requests", "Requests answered, by op and outcome",
+        self.requests = Counter("tokenbroker_requests", "Requests answered, by op and outcome (ok or the error code)",
                                 ["op", "outcome"], registry=self.registry)
         self.latency = Histogram("tokenbroker_request_duration_seconds", "Time from receipt to reply, by op",
-                                 ["op"], registry=self.registry)
+                                 ["op"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.started = time.time()
         self._snapshot: dict = {}
+        self._ledger = Ledger(retired_keep)
         self._lock = threading.Lock()
+        self._server: Any = None
+        self.registry.register(PoolCollector(self))
+
+    # --- called by the loop ------------------------------------------------------------
 
     def request_done(self, op: str, outcome: str, seconds: float) -> None:
         self.requests.labels(op, outcome).inc()
-        self.latency.labels(op).observe(seconds)
+        self.latency.labels(op).observe(max(0.0, seconds))
 
     def worker_joined(self, name: str) -> None:
-        pass
+        """Nothing to do: a worker's series appear with the next snapshot."""
 
     def worker_left(self, name: str, last_report: dict) -> None:
-        pass
+        """Keep the departed worker's counts (its gauges go with the next snapshot)."""
+        with self._lock:
+            self._ledger.observe(last_report or {})
 
     def publish(self, snapshot: dict) -> None:
+        """Called every loop turn: only swaps a reference; scrapes do the work."""
+        self._snapshot = snapshot
+
+    # --- read by scrapes (HTTP thread) -------------------------------------------------
+
+    def read(self) -> tuple[dict, dict[str, int]]:
+        """The last snapshot and the worker counter totals, its live reports folded into the ledger."""
+        snapshot = self._snapshot  # one reference read: the loop replaces, never mutates, a published snapshot
+        live = []
         with self._lock:
-            self._snapshot = snapshot
+            for w in snapshot.get("workers", []):
+                report = w.get("report") if isinstance(w, Mapping) else None
+                if isinstance(report, Mapping):
+                    self._ledger.observe(report)
+                    live.append(report.get("incarnation"))
+            totals = self._ledger.totals(x for x in live if isinstance(x, str))
+        return snapshot, totals
 
     def serve(self, host: str, port: int) -> str:
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        bound = server.server_address[1]
-        return f"http://{host}:{bound}/metrics"
+        """Start the HTTP exporter on a daemon thread; returns the URL it answers at."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        bound = self._server.server_address[1]
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{bound}/metrics"
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
