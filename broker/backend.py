@@ -61,6 +61,7 @@ class Result:
 class Left:
     wid: bytes
     why: str
+    state: WorkerState | None = None  # set when the table already dropped it (a reconnect replaced it)
 
 
 class Backend:
@@ -83,11 +84,15 @@ class Backend:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return events
-            event = self._on_frames(frames, now)
-            if event is not None:
-                events.append(event)
+            events.extend(self._on_frames(frames, now))
 
-    def _on_frames(self, frames: list[bytes], now: float) -> object | None:
+    def _on_frames(self, frames: list[bytes], now: float) -> list[object]:
+        event = self._on_frame(frames, now)
+        if isinstance(event, list):
+            return event
+        return [] if event is None else [event]
+
+    def _on_frame(self, frames: list[bytes], now: float) -> object | list[object] | None:
         wid, kind, body = frames[0], frames[1] if len(frames) > 1 else b"", frames[2:]
         worker = self.workers.get(wid)
         if worker is not None:
@@ -101,10 +106,10 @@ class Backend:
             if ready.version != PROTOCOL_VERSION:
                 log.error("worker %s speaks protocol %d, this broker %d: ignored", ready.name, ready.version, PROTOCOL_VERSION)
                 return None
-            if worker is not None:  # it reconnected: what it held is lost
-                return Left(wid, "reconnected")
             state = WorkerState(wid=wid, ready=ready, expiry=self.expiry(now), joined=now)
             self.workers[wid] = state
+            if worker is not None:  # it reconnected: the old incarnation and what it held are gone
+                return [Left(wid, "reconnected", worker), Joined(state)]
             return Joined(state)
         if worker is None:
             return None  # a worker we forgot (expired): it will say READY again after reconnecting

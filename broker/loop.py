@@ -23,7 +23,7 @@ from tokenbroker.common.config import BrokerConfig
 from tokenbroker.common.protocol import Envelope, error_reply, ok_reply
 
 from .affinity import RouteKey, route_key
-from .backend import Backend, Joined, Left, Result
+from .backend import Backend, Joined, Left, Result, WorkerState
 from .frontend import Frontend
 from .metrics import PoolMetrics
 from .router import Router
@@ -76,6 +76,7 @@ class Broker:
         self.jobs: dict[int, Job] = {}
         self.pending: deque[Job] = deque()
         self.waiting = 0  # jobs in `pending` still unanswered
+        self.held_bytes = 0  # payload bytes of every job held (pending or in flight), bounded by max_pending_bytes
         self.deadlines: list[tuple[float, int]] = []
         self.next_id = 1
         self.stopping_since: float | None = None
@@ -154,9 +155,12 @@ class Broker:
                     "workers": self.backend.ready_count(), "version": __version__, "worker": "broker"}))
                 self.metrics.request_done("ping", "ok", time.monotonic() - now)
                 continue
-            if self.stopping_since is not None or self.waiting >= self.config.max_pending:
+            full = self.waiting >= self.config.max_pending or \
+                self.held_bytes + len(incoming.raw) > self.config.max_pending_bytes
+            if self.stopping_since is not None or full:
                 why = "the broker is shutting down" if self.stopping_since is not None else \
-                    f"{self.waiting} requests are queued (--max-pending {self.config.max_pending})"
+                    f"{self.waiting} requests ({self.held_bytes} bytes) are queued " \
+                    f"(--max-pending {self.config.max_pending}, --max-pending-bytes {self.config.max_pending_bytes})"
                 self.frontend.fail(envelope, request.id, "overloaded", f"{why}; retry later")
                 self.metrics.request_done(request.op, "overloaded", 0.0)
                 continue
@@ -164,10 +168,18 @@ class Broker:
             job = Job(self.next_id, envelope, request.id, incoming.raw, request.op, route_key(request),
                       received=now, deadline=now + timeout_ms / 1000)
             self.next_id += 1
-            self.jobs[job.job_id] = job
+            self._hold(job)
             self.pending.append(job)
             self.waiting += 1
             heapq.heappush(self.deadlines, (job.deadline, job.job_id))
+
+    def _hold(self, job: Job) -> None:
+        self.jobs[job.job_id] = job
+        self.held_bytes += len(job.raw)
+
+    def _release(self, job: Job) -> None:
+        if self.jobs.pop(job.job_id, None) is not None:
+            self.held_bytes -= len(job.raw)
 
     def _answer(self, job: Job, payload: bytes, outcome: str, now: float) -> None:
         job.answered = True
@@ -192,7 +204,7 @@ class Broker:
         for _ in range(min(AFFINITY_LOOKAHEAD, len(self.pending))):
             job = self.pending.popleft()
             if job.answered:
-                self.jobs.pop(job.job_id, None)
+                self._release(job)
                 continue
             wid = self.router.pick(job.route, overflow=False) if free > 0 else None
             if wid is None:
@@ -205,7 +217,7 @@ class Broker:
             job = self.pending[0]
             if job.answered:
                 self.pending.popleft()
-                self.jobs.pop(job.job_id, None)
+                self._release(job)
                 continue
             wid = self.router.pick(job.route)
             if wid is None:
@@ -237,7 +249,7 @@ class Broker:
         elif isinstance(event, Result):
             self._on_result(event, now)
         elif isinstance(event, Left):
-            self._worker_gone(event.wid, event.why, now)
+            self._worker_gone(event.wid, event.why, now, event.state)
 
     def _on_result(self, result: Result, now: float) -> None:
         worker = self.backend.workers.get(result.wid)
@@ -246,14 +258,14 @@ class Broker:
             return  # a late answer for a job already retried elsewhere or answered
         worker.jobs.discard(job.job_id)
         self.router.finished(result.wid)
-        del self.jobs[job.job_id]
+        self._release(job)
         if not job.answered and result.payload:
             self._answer(job, result.payload, result.outcome, now)
         if worker.draining and not worker.jobs:
             self._worker_gone(result.wid, "left", now)
 
-    def _worker_gone(self, wid: bytes, why: str, now: float) -> None:
-        state = self.backend.forget(wid)
+    def _worker_gone(self, wid: bytes, why: str, now: float, state: WorkerState | None = None) -> None:
+        state = state or self.backend.forget(wid)
         if state is None:
             return
         self.router.remove_worker(wid)
@@ -263,9 +275,9 @@ class Broker:
             log.warning("worker %s is gone (%s) holding %d jobs", state.name, why, len(lost))
         for job in sorted(lost, key=lambda j: j.job_id, reverse=True):
             if job.answered:
-                del self.jobs[job.job_id]
+                self._release(job)
             elif job.attempts >= 2:
-                del self.jobs[job.job_id]
+                self._release(job)
                 self._fail(job, "worker_failed", "two workers died while holding this request", now)
             else:
                 self._requeue(job)
@@ -320,6 +332,7 @@ class Broker:
             if not job.answered:
                 self._fail(job, code, message, now)
         self.jobs.clear()
+        self.held_bytes = 0
         self.pending.clear()
         self.waiting = 0
 

@@ -61,6 +61,7 @@ class BrokerConfig:
     request_timeout_ms: int = 30000
     max_request_bytes: int = 32 * MiB
     max_pending: int = 4096
+    max_pending_bytes: int = 1024 * MiB  # payload bytes held at once (queued and in flight)
     balance_factor: float = 1.25
     balance_margin: int = 2
     models: ModelConfig = field(default_factory=lambda: ModelConfig(models=(ModelSpec(EMBEDDED_DEFAULT_NAME, EMBEDDED_DEFAULT),)))
@@ -217,7 +218,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=_non_negative_int, default=d.metrics_port, help="0 turns the exporter off")
     p.add_argument("--request-timeout-ms", type=_positive_int, default=d.request_timeout_ms)
     p.add_argument("--max-request-bytes", type=_positive_int, default=d.max_request_bytes)
-    p.add_argument("--max-pending", type=_positive_int, default=d.max_pending)
+    p.add_argument("--max-pending", type=_positive_int, default=d.max_pending,
+                   help="queued requests beyond this are answered overloaded")
+    p.add_argument("--max-pending-bytes", type=_positive_int, default=d.max_pending_bytes,
+                   help="payload bytes held (queued and in flight) beyond this are answered overloaded")
     p.add_argument("--balance-factor", type=float, default=d.balance_factor,
                    help="a worker above mean*factor and mean+margin in-flight jobs is passed over")
     p.add_argument("--balance-margin", type=_non_negative_int, default=d.balance_margin)
@@ -233,6 +237,7 @@ def broker_config_from_args(a: argparse.Namespace) -> BrokerConfig:
         request_timeout_ms=a.request_timeout_ms,
         max_request_bytes=a.max_request_bytes,
         max_pending=a.max_pending,
+        max_pending_bytes=a.max_pending_bytes,
         balance_factor=a.balance_factor,
         balance_margin=a.balance_margin,
         models=model_config_from_args(a),

@@ -110,6 +110,38 @@ def test_full_queue_answers_overloaded_and_nothing_is_lost():
         broker.stop()
 
 
+def test_workers_come_back_at_once_after_the_broker_was_paused():
+    """A stalled broker (SIGSTOP) makes its workers reconnect; on resume they must serve without a gap."""
+    broker = start_broker(workers=1)
+    c = Conn(broker.endpoint)
+    try:
+        assert c.call("tokenize", text="before")["ok"]
+        broker.proc.send_signal(signal.SIGSTOP)
+        time.sleep(7)  # longer than heartbeat interval x liveness: the worker gives up on the broker and reconnects
+        broker.proc.send_signal(signal.SIGCONT)
+        reply = c.call("tokenize", text="after", timeout=10)
+        assert reply["ok"], reply
+        assert c.call("ping")["workers"] == 1
+    finally:
+        c.close()
+        broker.stop()
+
+
+def test_held_bytes_over_max_pending_bytes_are_overloaded():
+    broker = start_broker("--max-pending-bytes", "3000000", workers=1)
+    c = Conn(broker.endpoint)
+    try:
+        text = "word " * 200000  # 1 MB each: the fourth held payload passes the bound
+        for i in range(8):
+            c.send({"id": i, "op": "tokenize", "text": text})
+        codes = [_code(c.recv(timeout=120)) for _ in range(8)]
+        assert "overloaded" in codes and None in codes
+        assert c.call("tokenize", text="small")["ok"]
+    finally:
+        c.close()
+        broker.stop()
+
+
 def test_sigterm_answers_every_held_request_then_stops_cleanly():
     broker = start_broker(workers=1)
     c = Conn(broker.endpoint)
