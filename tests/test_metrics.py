@@ -234,3 +234,13 @@ def test_promtool_finds_no_problem_in_the_exposition():
     text = generate_latest(m.registry)
     done = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, timeout=30)
     assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), done.stdout + done.stderr
+
+
+def test_worker_without_a_heartbeat_yet_shows_no_memory_rather_than_zero():
+    m = PoolMetrics()
+    m.publish(snapshot(worker("new", {}), worker("old", report("a", rss=5000))))
+    s = scrape(m)
+    memory = {dict(k)["process"]: v for (n, k), v in s.items() if n == "tokenbroker_process_resident_memory_bytes"}
+    assert set(memory) == {"broker", "old"}
+    assert s[("smg_allocator_allocated_bytes", frozenset())] == memory["broker"] + 5000
+    assert s[("tokenbroker_worker_in_flight", frozenset({("worker", "new")}))] == 0
