@@ -16,7 +16,6 @@ import zmq
 from tokenbroker.common.protocol import (
     B_HEARTBEAT,
     B_JOB,
-    B_SHUTDOWN,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
     JOB_ID,
@@ -143,9 +142,6 @@ class Backend:
                 self._send(wid, B_HEARTBEAT)
             self.next_beat = now + HEARTBEAT_INTERVAL_S
         return [Left(w.wid, "silent") for w in self.workers.values() if w.expiry <= now]
-
-    def shutdown(self, wid: bytes) -> None:
-        self._send(wid, B_SHUTDOWN)
 
     def _send(self, wid: bytes, kind: bytes) -> None:
         try:

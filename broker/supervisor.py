@@ -118,9 +118,6 @@ class Supervisor:
                 log.error("worker %s (pid %d) stopped answering: killing it", name, child.proc.pid)
                 _signal(child.proc, signal.SIGKILL)
 
-    def pids(self) -> dict[str, int]:
-        return {c.name: c.proc.pid for c in self.children.values()}
-
     def terminate(self) -> None:
         self.stopping = True
         self.respawn_at.clear()

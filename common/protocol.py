@@ -17,7 +17,6 @@ from .errors import ProtocolError
 PROTOCOL_VERSION = 1
 
 OPS = frozenset({"tokenize", "detokenize", "chat", "count", "models", "ping"})
-BROKER_OPS = frozenset({"ping"})
 TOKENS_FORMATS = frozenset({"list", "u32"})
 
 # --- broker <-> worker (backend) ---------------------------------------------------------
@@ -28,11 +27,9 @@ W_RESULT = b"D"  # [D, job_id(8 bytes), reply payload (msgpack, sent to the clie
 W_BYE = b"B"  # [B]: the worker leaves on purpose (SIGTERM); its held jobs are requeued
 B_JOB = b"J"  # [J, job_id, msgpack({"budget_ms": int}), client payload]
 B_HEARTBEAT = b"h"  # [h]
-B_SHUTDOWN = b"S"  # [S]
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_LIVENESS = 5  # a worker silent for interval * liveness is gone
-DEFAULT_WORKER_CAPACITY = 4  # jobs a worker holds at once: one running, the rest queued beside it
 
 JOB_ID = struct.Struct("<Q")
 

@@ -33,7 +33,6 @@ from tokenbroker.common.errors import BootError
 from tokenbroker.common.protocol import (
     B_HEARTBEAT,
     B_JOB,
-    B_SHUTDOWN,
     EXIT_BOOT_ERROR,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
@@ -82,7 +81,7 @@ class Shared:
     jobs: "queue.Queue[Job | None]" = field(default_factory=queue.Queue)
     stats: dict = field(default_factory=dict)  # written by the compute thread
     served: int = 0  # written by the compute thread
-    leaving: threading.Event = field(default_factory=threading.Event)  # set on SIGTERM or broker SHUTDOWN
+    leaving: threading.Event = field(default_factory=threading.Event)  # set on SIGTERM or SIGINT
     held: int = 0  # jobs received and not yet answered; written by the I/O thread only
 
 
@@ -182,8 +181,6 @@ class IoThread(threading.Thread):
                 budget = 0
             self.shared.held += 1
             self.shared.jobs.put(Job(job_id, budget, now, payload))
-        elif kind == B_SHUTDOWN:
-            self.shared.leaving.set()
         elif kind != B_HEARTBEAT:
             log.warning("ignoring a backend message of kind %r with %d frames", kind, len(frames))
 
