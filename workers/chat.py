@@ -1,10 +1,11 @@
-"""Chat templates: find a model's template, and render it exactly as transformers' apply_chat_template does.
+"""Chat rendering: a model's chat template rendered exactly as transformers' apply_chat_template does.
 
 The reference is transformers 5.24 (`utils/chat_template_utils.py` and `apply_chat_template` in
 `tokenization_utils_base.py`): the same sandboxed Jinja environment and options, the same filters and
 globals, the same message preparation (None-valued keys dropped, reasoning fields aliased), the same
-`continue_final_message` cut and the same template choice among named templates. transformers itself is
-never imported here; tests compare our prompts with its output byte for byte.
+`continue_final_message` cut and the same template choice among named templates (chat_templates.py finds
+the templates). transformers itself is never imported here; tests compare our prompts with its output
+byte for byte.
 
 Templates come from the Hub, so they are untrusted code: besides the sandbox, a render is bounded in
 time and in output size, checked as chunks are generated, on every call and loop iteration the template
@@ -24,7 +25,6 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
 import jinja2
@@ -36,13 +36,16 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import type_name
 
-from .tokenizer_config import token_text
+from .chat_templates import ChatTemplates, discover_chat_templates, special_tokens_from_config
+
+__all__ = [
+    "ChatRenderer", "ChatTemplates", "discover_chat_templates", "special_tokens_from_config",
+    "DEFAULT_MAX_OUTPUT_BYTES", "DEFAULT_MAX_SECONDS",
+]
 
 DEFAULT_MAX_OUTPUT_BYTES = 16 * 2**20
 DEFAULT_MAX_SECONDS = 10.0
 
-# Standard named special tokens, in transformers' SPECIAL_TOKENS_ATTRIBUTES order.
-SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Names a message's reasoning comes under; the first is the one templates read (transformers' _REASONING_FIELDS).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # What transformers appends to the final message to find where it ends in the prompt.
@@ -55,134 +58,6 @@ _RESERVED_KWARGS = frozenset({
 })
 _WIDE_FORMAT = re.compile(r"\d{8,}")  # a width or precision of 8+ digits in a format string
 _PADDING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
-
-
-# --- discovery --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ChatTemplates:
-    """A model's chat templates, as transformers holds them: one template, or several by name."""
-
-    default: str | None  # the template used without tools
-    named: dict[str, str]  # all named templates (incl. "default"/"tool_use" when given as a list)
-    source: str  # where it came from, for logs and errors
-
-    def select(self, tools: list | None) -> str:
-        """The template for a request, by transformers' get_chat_template rules (tools given: `tool_use`)."""
-        if self.named:
-            if tools is not None and "tool_use" in self.named:
-                return self.named["tool_use"]
-            if "default" in self.named:
-                return self.named["default"]
-            raise ProtocolError(
-                "template_error",
-                f"the model has several chat templates ({', '.join(sorted(self.named))}) and none is named "
-                "'default'; give one with --chat-template",
-            )
-        if self.default is None:
-            raise ProtocolError("template_error", "the model has no chat template; give one with --chat-template")
-        return self.default
-
-
-def discover_chat_templates(
-    model_dir: Path | None, tokenizer_config: dict, override: str | None
-) -> ChatTemplates | None:
-    """Find a model's chat templates; the first found wins.
-
-    Order: `override` (the --chat-template file; .json files are read like chat_template.json),
-    chat_template.json in the model folder (a bare string or {"chat_template": ...}), chat_template.jinja
-    (with additional_chat_templates/*.jinja as named ones, as transformers loads them), any other .jinja
-    file (the first by name), then tokenizer_config["chat_template"] (a string, or a list of
-    {"name", "template"}). Raises OSError or ValueError naming the file for a template that cannot be read.
-    """
-    if override is not None:
-        return _from_override(override)
-    if model_dir is not None:
-        found = _from_model_dir(Path(model_dir))
-        if found is not None:
-            return found
-    value = (tokenizer_config or {}).get("chat_template")
-    if value is None:
-        return None
-    return _from_value(value, "tokenizer_config.json chat_template")
-
-
-def _from_override(override: str) -> ChatTemplates:
-    path = Path(override)
-    if path.is_file():
-        if path.suffix == ".json":
-            return _from_json_file(path)
-        return ChatTemplates(_read_text(path), {}, str(path))
-    if "{{" in override or "{%" in override:
-        return ChatTemplates(override, {}, "--chat-template (inline)")
-    raise FileNotFoundError(f"--chat-template {override!r}: no such file")
-
-
-def _from_model_dir(model_dir: Path) -> ChatTemplates | None:
-    json_file = model_dir / "chat_template.json"
-    if json_file.is_file():
-        return _from_json_file(json_file)
-    extra_dir = model_dir / "additional_chat_templates"
-    extras = {p.name.removesuffix(".jinja"): _read_text(p) for p in sorted(extra_dir.glob("*.jinja"))}
-    main = model_dir / "chat_template.jinja"
-    if main.is_file():
-        text = _read_text(main)
-        named = {"default": text, **extras} if extras else {}
-        return ChatTemplates(text, named, str(main))
-    if extras:
-        return ChatTemplates(extras.get("default"), extras, str(extra_dir))
-    others = sorted(model_dir.glob("*.jinja"))
-    if others:
-        return ChatTemplates(_read_text(others[0]), {}, str(others[0]))
-    return None
-
-
-def _from_json_file(path: Path) -> ChatTemplates:
-    try:
-        data = json.loads(_read_text(path))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON: {e}") from e
-    if isinstance(data, dict):
-        if "chat_template" not in data:
-            raise ValueError(f"{path}: no 'chat_template' key")
-        data = data["chat_template"]
-    return _from_value(data, str(path))
-
-
-def _from_value(value: Any, source: str) -> ChatTemplates:
-    if isinstance(value, str):
-        return ChatTemplates(value, {}, source)
-    if isinstance(value, list):
-        named: dict[str, str] = {}
-        for i, entry in enumerate(value):
-            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
-                    and isinstance(entry.get("template"), str)):
-                raise ValueError(f"{source}[{i}] must be a map with str 'name' and 'template'")
-            named[entry["name"]] = entry["template"]
-        return ChatTemplates(named.get("default"), named, source)
-    raise ValueError(f"{source} must be a str or a list of named templates, got {type(value).__name__}")
-
-
-def _read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8")
-
-
-def special_tokens_from_config(tokenizer_config: dict) -> dict[str, str]:
-    """The named special tokens transformers passes to templates (its `special_tokens_map`).
-
-    The seven standard ones, then model-specific ones: other `*_token` str keys, `extra_special_tokens`
-    and `model_specific_special_tokens` given as maps. Values may be str or AddedToken maps ({"content"}).
-    """
-    config = tokenizer_config or {}
-    out = {k: v for k in SPECIAL_TOKEN_ATTRIBUTES if (v := token_text(config.get(k))) is not None}
-    auto = {k: v for k, v in config.items()
-            if k.endswith("_token") and k not in SPECIAL_TOKEN_ATTRIBUTES and isinstance(v, str)}
-    explicit = config.get("model_specific_special_tokens")
-    extra = config.get("extra_special_tokens")
-    for group in (auto, explicit if isinstance(explicit, dict) else {}, extra if isinstance(extra, dict) else {}):
-        out.update({k: v for k, val in group.items() if (v := token_text(val)) is not None})
-    return out
 
 
 # --- the sandbox ------------------------------------------------------------------------------------
