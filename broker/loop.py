@@ -32,6 +32,7 @@ from .supervisor import Supervisor
 log = logging.getLogger(__name__)
 
 FRONTEND_BATCH = 512  # messages read per turn, so the backend is never starved
+PUBLISH_EVERY_S = 0.1  # the exporter's view of the pool is at most this old
 AFFINITY_LOOKAHEAD = 64  # queued jobs offered to their preferred worker before strict FIFO
 SHUTDOWN_GRACE_S = 10.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -80,6 +81,7 @@ class Broker:
         self.deadlines: list[tuple[float, int]] = []
         self.next_id = 1
         self.stopping_since: float | None = None
+        self.next_publish = 0.0
         self.poller = zmq.Poller()
         self.poller.register(frontend.sock, zmq.POLLIN)
         self.poller.register(backend.sock, zmq.POLLIN)
@@ -165,7 +167,8 @@ class Broker:
                 self.metrics.request_done(request.op, "overloaded", 0.0)
                 continue
             timeout_ms = request.deadline_ms or self.config.request_timeout_ms
-            job = Job(self.next_id, envelope, request.id, incoming.raw, request.op, route_key(request),
+            route = route_key(request) if self.config.routing == "affinity" else None
+            job = Job(self.next_id, envelope, request.id, incoming.raw, request.op, route,
                       received=now, deadline=now + timeout_ms / 1000)
             self.next_id += 1
             self._hold(job)
@@ -300,7 +303,9 @@ class Broker:
                 self.waiting -= 1
             self._fail(job, "timeout", f"no worker answered within the deadline ({(job.deadline - job.received) * 1000:.0f} ms)", now)
         self._dispatch(now)
-        self.metrics.publish(self.snapshot())
+        if now >= self.next_publish:
+            self.metrics.publish(self.snapshot())
+            self.next_publish = now + PUBLISH_EVERY_S
 
     def snapshot(self) -> dict:
         """What the exporter shows, copied so the HTTP thread never reads live structures."""

@@ -9,7 +9,6 @@ totals while its gauges go: counters never fall. docs/metrics.md lists the serie
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -17,6 +16,8 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tokenbroker.common.process import resident_bytes
 
 __all__ = ["PoolMetrics", "PoolCollector", "Ledger", "LATENCY_BUCKETS", "CACHE_LAYERS"]
 
@@ -31,17 +32,6 @@ RETIRED_KEEP = 4096  # departed incarnations remembered one by one; older ones f
 # Router counters exported as tokenbroker_router_picks_total{how}: stats key -> label value.
 ROUTER_PICKS = {"affinity_hits": "affinity", "rendezvous": "rendezvous", "spills": "spill",
                 "overflows": "overflow", "unkeyed": "unkeyed"}
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (the broker's share of smg_allocator_allocated_bytes)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):  # not Linux: peak instead of current, the best available
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _int(value: Any) -> int:

@@ -30,6 +30,7 @@ import zmq
 
 from tokenbroker.common.config import WorkerConfig
 from tokenbroker.common.errors import BootError
+from tokenbroker.common.process import resident_bytes
 from tokenbroker.common.protocol import (
     B_HEARTBEAT,
     B_JOB,
@@ -54,16 +55,6 @@ log = logging.getLogger(__name__)
 RECONNECT_INIT_S = 0.1
 RECONNECT_MAX_S = 5.0
 STATS_EVERY_S = 0.2
-
-
-def resident_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):  # not Linux
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @dataclass
