@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from tokenbroker.workers.count import CountResult, anthropic_image_tokens, count_request, gemini_image_tokens, openai_image_tokens
-from tokenbroker.workers.count_formats import Notes, Walk, detect_format, image_size
+from tokenbroker.workers.count_formats import detect_format, image_size
+from tokenbroker.workers.count_walk import Notes, Walk
 from tokenbroker.workers.modelmap import TokenizerMap
 
 Encoder = Callable[[str], int]

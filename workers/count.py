@@ -43,7 +43,8 @@ from typing import Protocol
 
 from tokenbroker.common.errors import ProtocolError
 
-from .count_formats import FORMATS, HARVESTERS, FunctionDef, Harvest, Image, Notes, Walk, detect_format
+from .count_formats import FORMATS, HARVESTERS, FunctionDef, Harvest, Image, detect_format
+from .count_walk import Notes, Walk
 from .modelmap import normalise_openai_model, openai_encoding_for
 
 __all__ = ["Encoder", "CountEnv", "CountResult", "count_request", "openai_encoding_for", "FORMATS"]
