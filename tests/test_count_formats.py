@@ -21,8 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from tokenbroker.workers.count import CountResult, anthropic_image_tokens, count_request, gemini_image_tokens, openai_image_tokens
-from tokenbroker.workers.count_formats import detect_format, image_size
+from tokenbroker.workers.count import CountResult, count_request
+from tokenbroker.workers.count_formats import detect_format
+from tokenbroker.workers.count_images import anthropic_image_tokens, gemini_image_tokens, image_size, openai_image_tokens
 from tokenbroker.workers.count_walk import Notes, Walk
 from tokenbroker.workers.modelmap import TokenizerMap
 

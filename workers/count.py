@@ -22,20 +22,12 @@ Framing (documented choices; OpenAI's reproduces the Cookbook's published API co
 | gemini.generate | 3 (`systemInstruction` is one content) | - | 3 | 3 + name + description + JSON of parameters |
 | text | 0 | - | 0 | - |
 
-Images (never text; by the provider's published rule where the body gives the size, else as a
-1024x1024 image, with a warning):
-
-| format | rule |
-|---|---|
-| OpenAI | tiles: fit in 2048x2048, shortest side to 768, base + tile x 512px tiles (detail low: base); base/tile 85/170 (gpt-4o, gpt-4.1, gpt-4.5), 2833/5667 (gpt-4o-mini), 75/150 (o1, o3), 70/140 (gpt-5), 65/129 (computer-use-preview); patches: 32px patches capped at 1536, times 1.62 (gpt-4.1-mini, gpt-5-mini), 2.46 (gpt-4.1-nano, gpt-5-nano), 1.72 (o4-mini) |
-| Anthropic | long edge to 1568 px, then width x height / 750, at most 1600 |
-| Gemini | 258 when both sides are 384 px or less, else 258 per 768x768 tile |
+Images are never text: count_images.py reads their sizes and applies each provider's published rule.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +35,8 @@ from typing import Protocol
 
 from tokenbroker.common.errors import ProtocolError
 
-from .count_formats import FORMATS, HARVESTERS, FunctionDef, Harvest, Image, detect_format
+from .count_formats import FORMATS, HARVESTERS, FunctionDef, Harvest, detect_format
+from .count_images import image_tokens
 from .count_walk import Notes, Walk
 from .modelmap import normalise_openai_model, openai_encoding_for
 
@@ -113,98 +106,6 @@ ANTHROPIC_TOOL_PROMPT_FORCED = 313  # tool_choice any or tool
 
 _0301 = re.compile(r"gpt-3\.5-turbo-0301")
 _REASONING = re.compile(r"(?:o1|o3|o4|gpt-5(?:\.\d+)?)(?:-.*)?", re.DOTALL)
-
-UNKNOWN_IMAGE_SIZE = (1024, 1024)
-_OPENAI_PATCHES = (  # (family, multiplier): 32px patches, at most 1536
-    (re.compile(r"gpt-4\.1-mini.*|gpt-5-mini.*"), 1.62),
-    (re.compile(r"gpt-4\.1-nano.*|gpt-5-nano.*"), 2.46),
-    (re.compile(r"o4-mini.*"), 1.72),
-)
-_OPENAI_TILES = (  # (family, base, per 512px tile)
-    (re.compile(r"gpt-4o-mini.*"), 2833, 5667),
-    (re.compile(r"(?:o1|o3)(?:-.*)?"), 75, 150),
-    (re.compile(r"gpt-5(?:\.\d+)?(?:-.*)?"), 70, 140),
-    (re.compile(r"computer-use-preview.*"), 65, 129),
-)
-_OPENAI_DEFAULT_TILES = (85, 170)  # gpt-4o, gpt-4.1, gpt-4.5 and any other name
-
-
-# --- images ----------------------------------------------------------------------------------------
-
-
-def openai_image_tokens(width: int, height: int, *, detail: str | None, model: str) -> int:
-    """OpenAI's published rule; `model` normalised. detail auto counts as high.
-
-    >>> openai_image_tokens(1024, 1024, detail="high", model="gpt-4o"), openai_image_tokens(1024, 1024, detail="low", model="gpt-4o")
-    (765, 85)
-    """
-    for family, multiplier in _OPENAI_PATCHES:
-        if family.fullmatch(model):
-            return math.ceil(_patches(width, height) * multiplier)
-    base, tile = next(((b, t) for f, b, t in _OPENAI_TILES if f.fullmatch(model)), _OPENAI_DEFAULT_TILES)
-    if detail == "low":
-        return base
-    w, h = float(width), float(height)
-    if max(w, h) > 2048:
-        w, h = w * 2048 / max(w, h), h * 2048 / max(w, h)
-    if min(w, h) > 768:
-        w, h = w * 768 / min(w, h), h * 768 / min(w, h)
-    return base + tile * math.ceil(w / 512) * math.ceil(h / 512)
-
-
-def _patches(width: int, height: int) -> int:
-    w, h = float(width), float(height)
-    if math.ceil(w / 32) * math.ceil(h / 32) > 1536:
-        shrink = math.sqrt(32 * 32 * 1536 / (w * h))
-        w, h = w * shrink, h * shrink
-        fit = min(math.floor(w / 32) / (w / 32), math.floor(h / 32) / (h / 32))
-        w, h = w * fit, h * fit
-    return min(1536, math.ceil(w / 32) * math.ceil(h / 32))
-
-
-def anthropic_image_tokens(width: int, height: int) -> int:
-    """Anthropic's published rule.
-
-    >>> anthropic_image_tokens(1000, 1000), anthropic_image_tokens(4000, 4000)
-    (1334, 1600)
-    """
-    w, h = float(width), float(height)
-    if max(w, h) > 1568:
-        w, h = w * 1568 / max(w, h), h * 1568 / max(w, h)
-    return min(1600, math.ceil(w * h / 750))
-
-
-def gemini_image_tokens(width: int, height: int) -> int:
-    """Google's published rule for Gemini 2.x.
-
-    >>> gemini_image_tokens(300, 300), gemini_image_tokens(1024, 1024)
-    (258, 1032)
-    """
-    if width <= 384 and height <= 384:
-        return 258
-    return 258 * math.ceil(width / 768) * math.ceil(height / 768)
-
-
-def _image_tokens(images: list[Image], fmt: str, model: str, notes: Notes) -> int:
-    def rule(w: int, h: int, detail: str | None) -> int:
-        if fmt.startswith("openai."):
-            return openai_image_tokens(w, h, detail=detail, model=model)
-        if fmt == "anthropic.messages":
-            return anthropic_image_tokens(w, h)
-        return gemini_image_tokens(w, h)
-
-    total = 0
-    for img in images:
-        if img.width and img.height:
-            total += rule(img.width, img.height, img.detail)
-        elif img.detail == "low" and fmt.startswith("openai.") and not any(f.fullmatch(model) for f, _ in _OPENAI_PATCHES):
-            total += rule(*UNKNOWN_IMAGE_SIZE, "low")  # a low-detail image costs the base whatever its size
-        else:
-            estimate = rule(*UNKNOWN_IMAGE_SIZE, img.detail)
-            total += estimate
-            notes.add(f"An image whose size the body does not give was counted as a 1024x1024 image ({estimate} tokens), an estimate.")
-    return total
-
 
 # --- tool definitions ------------------------------------------------------------------------------
 
@@ -409,7 +310,7 @@ def _count_harvest(h: Harvest, fmt: str, model: str | None, encode: Encoder, wal
         n += schema_tool_tokens(h.functions, encode, walk)
     if fmt == "anthropic.messages" and h.tools_given:
         n += ANTHROPIC_TOOL_PROMPT_FORCED if h.tool_choice_forced else ANTHROPIC_TOOL_PROMPT
-    return n + _image_tokens(h.images, fmt, name, walk.notes)
+    return n + image_tokens(h.images, fmt, name, walk.notes)
 
 
 def count_request(body: object, *, format: str | None, model: str | None, strict: bool, env: CountEnv) -> CountResult:

@@ -15,33 +15,19 @@ What is counted, per format (anything else is skipped, with a warning where it c
 
 Objects (`arguments` given as objects, `input`, `args`, `response`, schemas) are serialised as compact
 JSON by the count's Walk (count_walk.py: recursion-free, under a node budget). Base64 data is never text: an image's size is read
-from its header where the body carries it.
+from its header where the body carries it (count_images.py).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .count_images import Image, base64_image_size, url_image
 from .count_walk import Walk
 
 FORMATS = ("openai.chat", "openai.responses", "anthropic.messages", "gemini.generate", "text")
-
-IMAGE_HEADER_CHARS = 1 << 20  # base64 characters decoded to find an image's size (JPEG may put EXIF first)
-
-
-@dataclass(frozen=True)
-class Image:
-    """An image the request carries: its size when the body tells, OpenAI's `detail` when given."""
-
-    width: int | None = None
-    height: int | None = None
-    detail: str | None = None
-
 
 @dataclass(frozen=True)
 class FunctionDef:
@@ -95,79 +81,6 @@ def _args_text(walk: Walk, value: Any) -> str:
     if value is None:
         return ""
     return walk.to_json(value)
-
-
-# --- images ----------------------------------------------------------------------------------------
-
-
-def image_size(data: bytes) -> tuple[int, int] | None:
-    """Width and height from a PNG, GIF, WebP or JPEG header; None for anything else.
-
-    >>> image_size(bytes.fromhex("89504e470d0a1a0a0000000d49484452") + struct.pack(">II", 640, 480))
-    (640, 480)
-    """
-    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
-        return struct.unpack(">II", data[16:24])
-    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
-        return struct.unpack("<HH", data[6:10])
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP" and len(data) >= 30:
-        return _webp_size(data)
-    if data[:2] == b"\xff\xd8":
-        return _jpeg_size(data)
-    return None
-
-
-def _webp_size(data: bytes) -> tuple[int, int] | None:
-    chunk = data[12:16]
-    if chunk == b"VP8 ":
-        w, h = struct.unpack("<HH", data[26:30])
-        return w & 0x3FFF, h & 0x3FFF
-    if chunk == b"VP8L":
-        b0, b1, b2, b3 = data[21:25]
-        return 1 + (((b1 & 0x3F) << 8) | b0), 1 + (((b3 & 0x0F) << 10) | (b2 << 2) | ((b1 & 0xC0) >> 6))
-    if chunk == b"VP8X":
-        return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
-    return None
-
-
-_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
-
-
-def _jpeg_size(data: bytes) -> tuple[int, int] | None:
-    i = 2
-    while i + 9 <= len(data):
-        if data[i] != 0xFF:
-            return None
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        if marker in _SOF:
-            h, w = struct.unpack(">HH", data[i + 5 : i + 9])
-            return w, h
-        if 0xD0 <= marker <= 0xD9 or marker == 0x01:
-            i += 2
-            continue
-        i += 2 + struct.unpack(">H", data[i + 2 : i + 4])[0]
-    return None
-
-
-def base64_image_size(b64: str) -> tuple[int, int] | None:
-    """The size of a base64-encoded image, decoding only its first bytes (the data is never text)."""
-    head = "".join(b64[:IMAGE_HEADER_CHARS].split())
-    head = head[: len(head) - len(head) % 4]
-    try:
-        return image_size(base64.b64decode(head))
-    except (binascii.Error, ValueError, struct.error):
-        return None
-
-
-def url_image(url: Any, detail: Any = None) -> Image:
-    """An image by URL: a `data:` URL tells its size, any other URL does not."""
-    size = None
-    if isinstance(url, str) and url.startswith("data:") and ";base64," in url[:200]:
-        size = base64_image_size(url.partition(";base64,")[2])
-    return Image(*(size or (None, None)), detail=_s(detail))
 
 
 # --- OpenAI chat completions -----------------------------------------------------------------------
