@@ -48,6 +48,7 @@ class Job:
     route: RouteKey | None
     received: float
     deadline: float
+    queued: float = 0.0  # when it last entered the pending queue
     attempts: int = 0
     worker: bytes | None = None
     answered: bool = False
@@ -131,6 +132,8 @@ class Broker:
         nearest = self.backend.next_beat
         if self.deadlines:
             nearest = min(nearest, self.deadlines[0][0])
+        if self.pending and self.config.spill_wait_ms:
+            nearest = min(nearest, self.pending[0].queued + self.config.spill_wait_ms / 1000)
         return max(0, min(1000, int((nearest - now) * 1000) + 1))
 
     def _stop_requested(self) -> bool:
@@ -169,7 +172,7 @@ class Broker:
             timeout_ms = request.deadline_ms or self.config.request_timeout_ms
             route = route_key(request) if self.config.routing == "affinity" else None
             job = Job(self.next_id, envelope, request.id, incoming.raw, request.op, route,
-                      received=now, deadline=now + timeout_ms / 1000)
+                      received=now, deadline=now + timeout_ms / 1000, queued=now)
             self.next_id += 1
             self._hold(job)
             self.pending.append(job)
@@ -204,6 +207,7 @@ class Broker:
         if free <= 0 or not self.pending:
             return
         kept: list[Job] = []
+        spill_before = now - self.config.spill_wait_ms / 1000
         for _ in range(min(AFFINITY_LOOKAHEAD, len(self.pending))):
             job = self.pending.popleft()
             if job.answered:
@@ -222,6 +226,8 @@ class Broker:
                 self.pending.popleft()
                 self._release(job)
                 continue
+            if job.queued > spill_before:
+                return  # it may still wait for its preferred worker (and the queue is in arrival order)
             wid = self.router.pick(job.route)
             if wid is None:
                 return
@@ -237,7 +243,7 @@ class Broker:
         self.backend.send_job(wid, job.job_id, budget_ms, job.raw)
 
     def _requeue(self, job: Job) -> None:
-        job.worker = None
+        job.worker = None  # its queue time stays: its worker is gone, so it may go anywhere at once
         self.pending.appendleft(job)
         self.waiting += 1
 

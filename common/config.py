@@ -64,6 +64,7 @@ class BrokerConfig:
     max_pending_bytes: int = 1024 * MiB  # payload bytes held at once (queued and in flight)
     balance_factor: float = 1.25
     balance_margin: int = 2
+    spill_wait_ms: int = 20  # a job waits this long for its full (but not overloaded) preferred worker
     routing: str = "affinity"  # or "least-loaded": no affinity keys at all (for comparison and debugging)
     models: ModelConfig = field(default_factory=lambda: ModelConfig(models=(ModelSpec(EMBEDDED_DEFAULT_NAME, EMBEDDED_DEFAULT),)))
 
@@ -226,6 +227,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance-factor", type=float, default=d.balance_factor,
                    help="a worker above mean*factor and mean+margin in-flight jobs is passed over")
     p.add_argument("--balance-margin", type=_non_negative_int, default=d.balance_margin)
+    p.add_argument("--spill-wait-ms", type=_non_negative_int, default=d.spill_wait_ms,
+                   help="how long a job waits for its busy preferred worker before going to another (0: never waits)")
     p.add_argument("--routing", choices=("affinity", "least-loaded"), default=d.routing,
                    help="affinity: keep a conversation's prefixes on one worker; least-loaded: ignore keys")
 
@@ -244,6 +247,7 @@ def broker_config_from_args(a: argparse.Namespace) -> BrokerConfig:
         balance_factor=a.balance_factor,
         balance_margin=a.balance_margin,
         routing=a.routing,
+        spill_wait_ms=a.spill_wait_ms,
         models=model_config_from_args(a),
     )
 
