@@ -20,7 +20,7 @@ from its header where the body carries it (count_images.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +83,18 @@ def _args_text(walk: Walk, value: Any) -> str:
     return walk.to_json(value)
 
 
+def _messages(walk: Walk, body: dict) -> Iterator[dict]:
+    """The maps in the body's `messages` list, lazily, so each skip is noted in the order it is met."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        walk.notes.add("The body has no 'messages' list: no messages were counted.")
+    for msg in _list(messages):
+        if not isinstance(msg, dict):
+            walk.notes.add("A message that is not an object was not counted.")
+            continue
+        yield msg
+
+
 # --- OpenAI chat completions -----------------------------------------------------------------------
 
 
@@ -134,13 +146,7 @@ def _openai_tools(walk: Walk, tools: Any, h: Harvest, *, nested: bool) -> None:
 
 def harvest_openai_chat(walk: Walk, body: dict) -> Harvest:
     h = Harvest()
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        walk.notes.add("The body has no 'messages' list: no messages were counted.")
-    for msg in _list(messages):
-        if not isinstance(msg, dict):
-            walk.notes.add("A message that is not an object was not counted.")
-            continue
+    for msg in _messages(walk, body):
         m = Message(texts=[_s(msg.get("role")) or "", _chat_content(walk, msg.get("content"), h)])
         name = _s(msg.get("name"))
         if name is not None:
@@ -293,13 +299,7 @@ def harvest_anthropic(walk: Walk, body: dict) -> Harvest:
     system = body.get("system")
     if system is not None:
         h.messages.append(Message(texts=_anthropic_blocks(walk, system, h)))
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        walk.notes.add("The body has no 'messages' list: no messages were counted.")
-    for msg in _list(messages):
-        if not isinstance(msg, dict):
-            walk.notes.add("A message that is not an object was not counted.")
-            continue
+    for msg in _messages(walk, body):
         h.messages.append(Message(texts=_anthropic_blocks(walk, msg.get("content"), h)))
     for tool in _list(body.get("tools")):
         tool = _dict(tool)
