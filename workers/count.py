@@ -35,7 +35,8 @@ from typing import Protocol
 
 from tokenbroker.common.errors import ProtocolError
 
-from .count_formats import FORMATS, HARVESTERS, FunctionDef, Harvest, detect_format
+from .count_detect import detect_format
+from .count_formats import FORMATS, HARVESTERS, FunctionDef, Harvest
 from .count_images import image_tokens
 from .count_walk import Notes, Walk
 from .modelmap import normalise_openai_model, openai_encoding_for

@@ -20,7 +20,7 @@ from its header where the body carries it (count_images.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -385,39 +385,3 @@ HARVESTERS = {
     "anthropic.messages": harvest_anthropic,
     "gemini.generate": harvest_gemini,
 }
-
-
-# --- detection -------------------------------------------------------------------------------------
-
-_ANTHROPIC_BLOCKS = frozenset({"tool_use", "tool_result", "thinking", "redacted_thinking", "document", "search_result", "server_tool_use"})
-_ANTHROPIC_KEYS = frozenset({"system", "anthropic_version", "stop_sequences", "top_k"})
-
-
-def _content_types(messages: list) -> Iterable[tuple[str | None, dict]]:
-    for msg in messages:
-        for part in _list(_dict(msg).get("content")):
-            if isinstance(part, dict):
-                yield part.get("type"), part
-
-
-def detect_format(body: dict, model: str | None) -> str | None:
-    """The format a body's shape says, or None when it looks like none of them."""
-    if "contents" in body or "systemInstruction" in body or "system_instruction" in body:
-        return "gemini.generate"
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        if _ANTHROPIC_KEYS & body.keys() or any("input_schema" in _dict(t) for t in _list(body.get("tools"))):
-            return "anthropic.messages"
-        for kind, part in _content_types(messages):
-            if kind in _ANTHROPIC_BLOCKS or (kind == "image" and "source" in part):
-                return "anthropic.messages"
-            if kind in ("image_url", "input_audio", "file"):
-                return "openai.chat"
-        if any(_dict(m).get("role") in ("system", "developer", "tool", "function") or "tool_calls" in _dict(m) for m in messages):
-            return "openai.chat"
-        if model and model.lower().rsplit("/", 1)[-1].startswith("claude"):
-            return "anthropic.messages"
-        return "openai.chat"
-    if "input" in body or "instructions" in body:
-        return "openai.responses"
-    return None
