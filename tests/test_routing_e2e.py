@@ -18,6 +18,8 @@ import subprocess
 import sys
 from collections import Counter, defaultdict
 
+import pytest
+
 from conftest import Conn, start_broker, wait_until
 
 EOS = "<｜end▁of▁sentence｜>"  # marked special in the embedded tokenizer: L1 cuts prefixes after it
@@ -174,4 +176,29 @@ def test_killed_worker_moves_only_its_own_keys():
         assert moved  # the victim held keys, and they found new homes
     finally:
         c.close()
+        broker.stop()
+
+
+@pytest.mark.parametrize("spill_wait_ms,spreads", [(60000, False), (0, True)], ids=["waits", "spills"])
+def test_a_busy_preferred_worker_is_waited_for_only_as_long_as_spill_wait(spill_wait_ms, spreads):
+    """Workers of capacity 1 are full but never over the load bound: the wait alone decides."""
+    port = _free_port()
+    broker = start_broker("--backend", f"tcp://127.0.0.1:{port}", "--spill-wait-ms", str(spill_wait_ms), workers=0)
+    workers = [subprocess.Popen([sys.executable, "-m", "tokenbroker", "worker", "--connect", f"tcp://127.0.0.1:{port}",
+                                 "--capacity", "1", "--name", f"cap1-{i}"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+    c = Conn(broker.endpoint)
+    try:
+        wait_until(lambda: c.call("ping")["workers"] == 2, timeout=60, what="two remote workers")
+        text = "word " * 100_000  # long enough that the next request arrives while the first still runs
+        replies = _pipeline(c, [{"id": i, "op": "tokenize", "text": text, "affinity": "one-key"} for i in range(6)], window=6)
+        served = {r["worker"] for r in replies.values()}
+        assert all(r["ok"] for r in replies.values())
+        assert (len(served) > 1) is spreads, served
+    finally:
+        c.close()
+        for w in workers:
+            w.send_signal(signal.SIGTERM)
+        for w in workers:
+            w.wait(30)
         broker.stop()
