@@ -445,3 +445,15 @@ def test_lossless_tokenizers_round_trip_any_text(cases: dict[str, Case], text: s
     for name in ("deepseek", "qwen", "o200k-by-file"):
         tok = cases[name].ours
         assert tok.decode(tok.encode(text), skip_special_tokens=False) == text, name
+
+
+@pytest.mark.parametrize("name", ["r50k_base", "p50k_base", "cl100k_base", "o200k_base"])
+def test_known_openai_rank_files_carry_tiktokens_own_pattern_and_specials(name):
+    import tiktoken_ext.openai_public as openai_public
+
+    from tokenbroker.workers.tiktoken_files import KNOWN_TIKTOKEN_FILES
+
+    ours = next(k for k in KNOWN_TIKTOKEN_FILES.values() if k.name == name)
+    theirs = getattr(openai_public, name)()
+    assert ours.pat_str == theirs["pat_str"]
+    assert ours.special_tokens == theirs["special_tokens"]

@@ -17,7 +17,7 @@ from tokenbroker.common.errors import BootError
 
 from .tokenizer_config import token_text
 
-# OpenAI's patterns and specials as in tiktoken_ext/openai_public.py (a test checks them against it).
+# OpenAI's patterns and specials as in tiktoken_ext/openai_public.py (tests/test_tokenizers.py checks them against it).
 _ENDOFTEXT, _ENDOFPROMPT = "<|endoftext|>", "<|endofprompt|>"
 _R50K_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 _CL100K_PAT = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
