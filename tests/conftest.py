@@ -42,6 +42,7 @@ def tiktoken_cache_dir() -> Path:
 
 # --- a real broker, as operators start it ----------------------------------------------------
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -146,6 +147,18 @@ class Conn:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+@contextlib.contextmanager
+def serving(*args: str, workers: int = 1):
+    """A broker started with `args` and one client connected to it; both stopped on exit."""
+    broker = start_broker(*args, workers=workers)
+    conn = Conn(broker.endpoint)
+    try:
+        yield broker, conn
+    finally:
+        conn.close()
+        broker.stop()
 
 
 def wait_until(condition, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):

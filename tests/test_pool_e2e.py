@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import BERT_DIR, Conn, start_broker, wait_until
+from conftest import BERT_DIR, Conn, serving, start_broker, wait_until
 
 
 def _free_port() -> int:
@@ -69,34 +69,22 @@ def test_request_dying_with_two_workers_is_answered_worker_failed():
 
 
 def test_deadline_passing_is_answered_timeout_and_the_broker_keeps_serving():
-    broker = start_broker(workers=1)
-    c = Conn(broker.endpoint)
-    try:
+    with serving(workers=1) as (_, c):
         c.send({"id": "slow", "op": "tokenize", "text": "word " * 2_000_000, "deadline_ms": 5})
         reply = c.recv()
         assert reply["id"] == "slow" and _code(reply) == "timeout"
         assert c.call("tokenize", text="still here")["ok"]
-    finally:
-        c.close()
-        broker.stop()
 
 
 def test_payload_over_max_request_bytes_is_too_large():
-    broker = start_broker("--max-request-bytes", "1000", workers=1)
-    c = Conn(broker.endpoint)
-    try:
+    with serving("--max-request-bytes", "1000", workers=1) as (_, c):
         reply = c.call("tokenize", text="x" * 2000)
         assert _code(reply) == "too_large" and "1000" in reply["error"]["message"]
         assert c.call("tokenize", text="small")["ok"]
-    finally:
-        c.close()
-        broker.stop()
 
 
 def test_full_queue_answers_overloaded_and_nothing_is_lost():
-    broker = start_broker("--max-pending", "2", workers=1)
-    c = Conn(broker.endpoint)
-    try:
+    with serving("--max-pending", "2", workers=1) as (_, c):
         n = 40
         for i in range(n):
             c.send({"id": i, "op": "tokenize", "text": "word " * 200000})
@@ -105,16 +93,11 @@ def test_full_queue_answers_overloaded_and_nothing_is_lost():
         assert sorted(r["id"] for r in replies) == list(range(n))
         assert "overloaded" in codes and None in codes
         assert set(codes) <= {None, "overloaded"}
-    finally:
-        c.close()
-        broker.stop()
 
 
 def test_workers_come_back_at_once_after_the_broker_was_paused():
     """A stalled broker (SIGSTOP) makes its workers reconnect; on resume they must serve without a gap."""
-    broker = start_broker(workers=1)
-    c = Conn(broker.endpoint)
-    try:
+    with serving(workers=1) as (broker, c):
         assert c.call("tokenize", text="before")["ok"]
         broker.proc.send_signal(signal.SIGSTOP)
         time.sleep(7)  # longer than heartbeat interval x liveness: the worker gives up on the broker and reconnects
@@ -122,30 +105,20 @@ def test_workers_come_back_at_once_after_the_broker_was_paused():
         reply = c.call("tokenize", text="after", timeout=10)
         assert reply["ok"], reply
         assert c.call("ping")["workers"] == 1
-    finally:
-        c.close()
-        broker.stop()
 
 
 def test_held_bytes_over_max_pending_bytes_are_overloaded():
-    broker = start_broker("--max-pending-bytes", "3000000", workers=1)
-    c = Conn(broker.endpoint)
-    try:
+    with serving("--max-pending-bytes", "3000000", workers=1) as (_, c):
         text = "word " * 200000  # 1 MB each: the fourth held payload passes the bound
         for i in range(8):
             c.send({"id": i, "op": "tokenize", "text": text})
         codes = [_code(c.recv(timeout=120)) for _ in range(8)]
         assert "overloaded" in codes and None in codes
         assert c.call("tokenize", text="small")["ok"]
-    finally:
-        c.close()
-        broker.stop()
 
 
 def test_sigterm_answers_every_held_request_then_stops_cleanly():
-    broker = start_broker(workers=1)
-    c = Conn(broker.endpoint)
-    try:
+    with serving(workers=1) as (broker, c):
         for i in range(20):
             c.send({"id": i, "op": "tokenize", "text": "word " * 50000})
         c.recv()
@@ -154,9 +127,6 @@ def test_sigterm_answers_every_held_request_then_stops_cleanly():
         assert all(r["ok"] or _code(r) == "overloaded" for r in replies)
         assert broker.proc.wait(30) == 0
         assert not broker.worker_pids()
-    finally:
-        c.close()
-        broker.stop()
 
 
 def test_boot_failure_refuses_to_start_and_names_the_problem(tmp_path):
