@@ -118,6 +118,21 @@ def test_growing_conversation_reuses_its_latest_turn() -> None:
     assert s["reused_bytes"] == sum(len(conversation(1, t).encode()) for t in range(1, 8))
 
 
+def test_a_cached_prefix_is_found_under_many_new_boundaries() -> None:
+    """A lookup keys the deepest few boundaries first; a hit further back is still the deepest one."""
+    tok = TiktokenTok()
+    c = TokenCache(tok, CacheConfig(l1_enabled=True))
+    text = conversation(3, 2)
+    c.encode(text)
+    for extra in (1, 7, 8, 9, 30):
+        longer = text + "".join(f"q{i}{EOT}" for i in range(extra)) + "tail"
+        ids, outcome = c.encode(longer)
+        assert ids == tok.raw.encode(longer, allowed_special="all")
+        assert outcome.l1_reused_tokens == len(tok.raw.encode(text, allowed_special="all"))
+        text += "more" + EOT  # a new prefix every round, deeper than the last
+        c.encode(text)
+
+
 def test_a_miss_tokenizes_each_piece_once_and_a_hit_only_the_rest() -> None:
     tok = TiktokenTok()
     c = TokenCache(tok, CacheConfig(l1_enabled=True))

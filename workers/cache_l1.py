@@ -3,7 +3,7 @@
 Why splitting there is exact, and how it is kept exact:
 - Both tokenizer kinds cut their input at special-token matches before anything else runs (Hugging
   Face: non-normalized added tokens, matched leftmost-longest on the raw text; tiktoken: its special
-  regex), then normalize, pre-tokenize and tokenize each piece on its own. `Segmenter.boundaries`
+  regex), then normalize, pre-tokenize and tokenize each piece on its own. `Segmenter.split`
   finds those same matches (a trie regex over the same token set is leftmost-longest too).
 - A piece is encoded with the special token before it as left context and that token's id dropped,
   so whatever depends on what precedes a piece (Metaspace prepend_scheme "first", an rstrip special
@@ -24,6 +24,7 @@ import random
 import re
 import threading
 from array import array
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +37,9 @@ EVICTION_SAMPLE = 32
 # object and array header really take about this much, and without it a flood of distinct tiny
 # prefixes could hold many times the budget.
 ENTRY_OVERHEAD = 256
+# Boundaries keyed first, deepest first: a growing conversation adds a few specials per turn, so its
+# previous request's deepest boundary is among them; only on a miss there are the others keyed.
+PROBE_FIRST = 8
 
 
 class Tokenizer(Protocol):
@@ -47,13 +51,6 @@ class Tokenizer(Protocol):
     raw: Any
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Boundary:
-    end: int  # byte offset right after the special token's text
-    token_id: int
-    text: str
 
 
 class NotSplittable(Exception):
@@ -109,7 +106,13 @@ def _tiktoken_tokens(tok: Tokenizer) -> tuple[list[str], dict[str, int]]:
 
 
 class Segmenter:
-    """Finds the special-token boundaries of an input and encodes the pieces between them exactly."""
+    """Cuts an input around its special-token boundaries and encodes the pieces between them exactly.
+
+    An input is handled as `parts`, what `split` returns: [text, special, text, ..., special, text],
+    bytes, boundary specials at the odd indices, so boundary i is `parts[2i + 1]`, the text before it
+    `parts[2i]` and the special before that `parts[2i - 1]`. Plain lists of bytes built by one C-level
+    `re.split`: no Python object per boundary, which on a fast tokenizer costs more than encoding.
+    """
 
     def __init__(self, tok: Tokenizer) -> None:
         self._tok = tok
@@ -121,11 +124,15 @@ class Segmenter:
             raise NotSplittable(f"unknown tokenizer kind {tok.kind!r}")
         # A special with whitespace at its edge could meet an lstrip/rstrip neighbour: never split there.
         self._specials = {t: i for t, i in specials.items() if t and t == t.strip()}
+        matched_bytes = sorted({t.encode("utf-8") for t in matched if t})
         try:
-            self._matcher = trie_regex(sorted({t.encode("utf-8") for t in matched if t}))
+            self._splitter = re.compile(b"(" + trie_regex(matched_bytes).pattern + b")")
         except (RecursionError, OverflowError, re.error) as e:
             raise NotSplittable(f"cannot build a matcher for {len(matched)} added tokens: {e}") from e
-        self._by_bytes = {t.encode("utf-8"): (i, t) for t, i in self._specials.items()}
+        self._ids = {t.encode("utf-8"): i for t, i in self._specials.items()}
+        # Some matches may not be boundaries (non-special added tokens, specials with edge whitespace):
+        # those are glued back into the text around them.
+        self._every_match_bounds = set(matched_bytes) <= self._ids.keys()
         # tiktoken encodes the text between specials on its own: when every special it knows is a
         # boundary, a piece is that text's ordinary encoding plus the special's id (no per-call set).
         ordinary = getattr(tok.raw, "encode_ordinary", None)
@@ -136,50 +143,63 @@ class Segmenter:
     def specials(self) -> dict[str, int]:
         return self._specials
 
-    def boundaries(self, data: bytes) -> list[Boundary]:
-        by = self._by_bytes
-        return [Boundary(m.end(), *by[g]) for m in self._matcher.finditer(data) if (g := m.group()) in by]
+    def split(self, data: bytes) -> list[bytes]:
+        """`data` as [text, special, ..., special, text]: boundary specials at odd indices, nothing lost."""
+        parts = self._splitter.split(data)
+        if self._every_match_bounds or len(parts) == 1 or self._ids.keys() >= set(parts[1::2]):
+            return parts
+        out = [parts[0]]
+        for i in range(1, len(parts), 2):
+            if parts[i] in self._ids:
+                out += (parts[i], parts[i + 1])
+            else:
+                out[-1] += parts[i] + parts[i + 1]
+        return out
 
-    def encode_piece(self, piece: str, left: Boundary | None, right: Boundary | None) -> list[int] | None:
-        """Ids of `piece` as they appear in the whole input, or None when a check shows it would differ."""
+    def encode_piece(self, text: bytes, left: bytes | None, right: bytes | None) -> list[int] | None:
+        """Ids of `text` and then the `right` special as they appear in the whole input, where `left` is
+        the special before `text` (None at the start, and `right` None at the end); None when a check
+        shows the result would differ."""
         if self._ordinary is not None:
-            if right is None:
-                return self._ordinary(piece)
-            ids = self._ordinary(piece[: len(piece) - len(right.text)])
-            ids.append(right.token_id)
+            ids = self._ordinary(text.decode("utf-8"))
+            if right is not None:
+                ids.append(self._ids[right])
             return ids
+        if right is not None:
+            text += right
         if left is None:
-            ids = self._tok.encode(piece, add_special_tokens=False)
-        elif not piece:
+            ids = self._tok.encode(text.decode("utf-8"), add_special_tokens=False)
+        elif not text:
             return []
         else:
-            ids = self._tok.encode(left.text + piece, add_special_tokens=False)
-            if not ids or ids[0] != left.token_id:
+            ids = self._tok.encode((left + text).decode("utf-8"), add_special_tokens=False)
+            if not ids or ids[0] != self._ids[left]:
                 return None
             del ids[0]
-        if right is not None and (not ids or ids[-1] != right.token_id):
+        if right is not None and (not ids or ids[-1] != self._ids[right]):
             return None
         return ids
 
     def finish(self, ids: list[int], add_special_tokens: bool) -> list[int]:
-        """Apply the post-processor's head and tail once, as encoding the whole input would."""
-        if add_special_tokens and (self.head or self.tail):
-            return [*self.head, *ids, *self.tail]
+        """Apply the post-processor's head and tail once, as encoding the whole input would (in place)."""
+        if add_special_tokens:
+            if self.head:
+                ids[:0] = self.head
+            if self.tail:
+                ids += self.tail
         return ids
 
     def encode_split(self, text: str, add_special_tokens: bool) -> list[int] | None:
         """The whole input the L1 way, piece by piece (no cache); None when a check refused."""
-        data = text.encode("utf-8")
+        parts = self.split(text.encode("utf-8"))
         out: list[int] = []
-        left, pos = None, 0
-        for b in self.boundaries(data):
-            ids = self.encode_piece(data[pos:b.end].decode("utf-8"), left, b)
+        for i in range(0, len(parts), 2):
+            right = parts[i + 1] if i + 1 < len(parts) else None
+            ids = self.encode_piece(parts[i], parts[i - 1] if i else None, right)
             if ids is None:
                 return None
             out += ids
-            left, pos = b, b.end
-        ids = self.encode_piece(data[pos:].decode("utf-8"), left, None)
-        return None if ids is None else self.finish(out + ids, add_special_tokens)
+        return self.finish(out, add_special_tokens)
 
 
 def _learn_template(tok: Tokenizer) -> tuple[list[int], list[int]]:
@@ -319,34 +339,41 @@ class L1Cache:
             data = text.encode("utf-8")
         except UnicodeEncodeError:  # lone surrogates: no bytes to key on
             data = b""
-        bounds = self._seg.boundaries(data)
-        if not bounds:
+        parts = self._seg.split(data)
+        n = len(parts) >> 1  # boundaries
+        if not n:
             with self._lock:
                 self._count(False, 0)
             return self._tok.encode(text, add_special_tokens=add_special_tokens), 0
-        keys = _prefix_keys(data, bounds, add_special_tokens)
+        ends = list(accumulate(map(len, parts)))[1::2]  # byte offset right after each boundary
+        view = memoryview(data)
+        lo = max(0, n - PROBE_FIRST)  # keys[j] is boundary lo + j's
+        keys = _prefix_keys(view, ends, add_special_tokens, lo, n)
         with self._lock:
             depth, prefix = self._store.deepest(keys)
+        if prefix is not None:
+            depth += lo
+        elif lo:  # rarely: a shallow hit, or a miss, which caches every boundary anyway
+            keys = _prefix_keys(view, ends, add_special_tokens, 0, lo) + keys
+            lo = 0
+            with self._lock:
+                depth, prefix = self._store.deepest(keys)
         acc = prefix[:] if prefix is not None else array(ID_TYPECODE)
         reused = len(acc)
-        left = bounds[depth] if depth >= 0 else None
-        pos = left.end if left is not None else 0
         new: list[tuple[bytes, array, int]] = []
-        for i in range(depth + 1, len(bounds)):
-            b = bounds[i]
-            ids = self._seg.encode_piece(data[pos:b.end].decode("utf-8"), left, b)
+        for i in range(depth + 1, n):
+            ids = self._seg.encode_piece(parts[2 * i], parts[2 * i - 1] if i else None, parts[2 * i + 1])
             if ids is None:
                 return self._fallback(text, add_special_tokens)
             acc.extend(ids)
-            new.append((keys[i], acc[:], b.end + 4 * len(acc) + ENTRY_OVERHEAD))
-            left, pos = b, b.end
-        rest = self._seg.encode_piece(data[pos:].decode("utf-8"), left, None)
+            new.append((keys[i - lo], acc[:], ends[i] + 4 * len(acc) + ENTRY_OVERHEAD))
+        rest = self._seg.encode_piece(parts[-1], parts[-2], None)
         if rest is None:
             return self._fallback(text, add_special_tokens)
         with self._lock:
             if new:
                 self._store.put_many(new)
-            self._count(depth >= 0, bounds[depth].end if depth >= 0 else 0)
+            self._count(depth >= 0, ends[depth] if depth >= 0 else 0)
         ids = acc.tolist()
         ids += rest
         return self._seg.finish(ids, add_special_tokens), reused
@@ -372,13 +399,16 @@ class L1Cache:
             return self._stats.as_dict()
 
 
-def _prefix_keys(data: bytes, bounds: list[Boundary], add_special_tokens: bool) -> list[bytes]:
-    """blake2b of the flag and each prefix, computed incrementally: one pass over the input."""
-    h = hashlib.blake2b(b"\x01" if add_special_tokens else b"\x00", digest_size=16)
-    view = memoryview(data)
+
+
+def _prefix_keys(view: memoryview, ends: list[int], add_special_tokens: bool, lo: int, hi: int) -> list[bytes]:
+    """sha256 of the flag and each prefix up to boundaries lo..hi-1: the bytes before boundary lo's end
+    in one call, then one digest per boundary. A lookup asks first for the few deepest, where a
+    growing conversation finds its previous turn, so most boundaries are never digested."""
+    h = hashlib.sha256(b"\x01" if add_special_tokens else b"\x00")
     keys, pos = [], 0
-    for b in bounds:
-        h.update(view[pos:b.end])
+    for end in ends[lo:hi]:
+        h.update(view[pos:end])
         keys.append(h.copy().digest())
-        pos = b.end
+        pos = end
     return keys
