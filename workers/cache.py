@@ -77,13 +77,13 @@ class TokenCache:
             if ids is not None:
                 return ids, CacheOutcome("hit", 0)
             l0 = "miss"
-        reused = 0
+        reused, stored = 0, None
         if self._l1 is not None:
-            ids, reused = self._l1.encode(text, add_special_tokens)
+            ids, reused, stored = self._l1.encode(text, add_special_tokens)
         else:
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if self._l0 is not None:
-            self._l0.put(text, add_special_tokens, ids)
+            self._l0.put(text, add_special_tokens, ids, stored)
         return ids, CacheOutcome(l0, reused)
 
     def stats(self) -> dict[str, dict[str, int]]:

@@ -180,26 +180,26 @@ class Segmenter:
             return None
         return ids
 
-    def finish(self, ids: list[int], add_special_tokens: bool) -> list[int]:
-        """Apply the post-processor's head and tail once, as encoding the whole input would (in place)."""
+    def finish(self, ids: array, add_special_tokens: bool) -> None:
+        """Apply the post-processor's head and tail once, in place, as encoding the whole input would."""
         if add_special_tokens:
             if self.head:
-                ids[:0] = self.head
+                ids[:0] = array(ID_TYPECODE, self.head)
             if self.tail:
-                ids += self.tail
-        return ids
+                ids.fromlist(self.tail)
 
     def encode_split(self, text: str, add_special_tokens: bool) -> list[int] | None:
         """The whole input the L1 way, piece by piece (no cache); None when a check refused."""
         parts = self.split(text.encode("utf-8"))
-        out: list[int] = []
+        out = array(ID_TYPECODE)
         for i in range(0, len(parts), 2):
             right = parts[i + 1] if i + 1 < len(parts) else None
             ids = self.encode_piece(parts[i], parts[i - 1] if i else None, right)
             if ids is None:
                 return None
-            out += ids
-        return self.finish(out, add_special_tokens)
+            out.fromlist(ids)
+        self.finish(out, add_special_tokens)
+        return out.tolist()
 
 
 def _learn_template(tok: Tokenizer) -> tuple[list[int], list[int]]:
@@ -324,7 +324,8 @@ class PrefixStore:
 
 
 class L1Cache:
-    """Prefix lookups and inserts for one tokenizer; `encode` returns (ids, ids reused from L1)."""
+    """Prefix lookups and inserts for one tokenizer; `encode` returns (ids, ids reused from L1, and the
+    ids as an array nobody else holds, for L0 to keep without converting them again, or None)."""
 
     def __init__(self, tok: Tokenizer, segmenter: Segmenter, budget: int) -> None:
         self._tok = tok
@@ -334,7 +335,7 @@ class L1Cache:
         self._stats = LayerStats()
         self.fallbacks = 0  # lookups a piece check refused: tokenized whole instead
 
-    def encode(self, text: str, add_special_tokens: bool) -> tuple[list[int], int]:
+    def encode(self, text: str, add_special_tokens: bool) -> tuple[list[int], int, array | None]:
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError:  # lone surrogates: no bytes to key on
@@ -344,18 +345,19 @@ class L1Cache:
         if not n:
             with self._lock:
                 self._count(False, 0)
-            return self._tok.encode(text, add_special_tokens=add_special_tokens), 0
-        ends = list(accumulate(map(len, parts)))[1::2]  # byte offset right after each boundary
+            return self._tok.encode(text, add_special_tokens=add_special_tokens), 0, None
         view = memoryview(data)
-        lo = max(0, n - PROBE_FIRST)  # keys[j] is boundary lo + j's
-        keys = _prefix_keys(view, ends, add_special_tokens, lo, n)
+        lo = max(0, n - PROBE_FIRST)  # ends[j] and keys[j] are boundary lo + j's
+        ends = _ends(parts, len(data), lo)
+        keys = _prefix_keys(view, ends, add_special_tokens)
         with self._lock:
             depth, prefix = self._store.deepest(keys)
         if prefix is not None:
             depth += lo
         elif lo:  # rarely: a shallow hit, or a miss, which caches every boundary anyway
-            keys = _prefix_keys(view, ends, add_special_tokens, 0, lo) + keys
-            lo = 0
+            head = _ends(parts, len(data), 0)[:lo]
+            keys = _prefix_keys(view, head, add_special_tokens) + keys
+            ends, lo = head + ends, 0
             with self._lock:
                 depth, prefix = self._store.deepest(keys)
         acc = prefix[:] if prefix is not None else array(ID_TYPECODE)
@@ -365,24 +367,24 @@ class L1Cache:
             ids = self._seg.encode_piece(parts[2 * i], parts[2 * i - 1] if i else None, parts[2 * i + 1])
             if ids is None:
                 return self._fallback(text, add_special_tokens)
-            acc.extend(ids)
-            new.append((keys[i - lo], acc[:], ends[i] + 4 * len(acc) + ENTRY_OVERHEAD))
+            acc.fromlist(ids)
+            new.append((keys[i - lo], acc[:], ends[i - lo] + 4 * len(acc) + ENTRY_OVERHEAD))
         rest = self._seg.encode_piece(parts[-1], parts[-2], None)
         if rest is None:
             return self._fallback(text, add_special_tokens)
         with self._lock:
             if new:
                 self._store.put_many(new)
-            self._count(depth >= 0, ends[depth] if depth >= 0 else 0)
-        ids = acc.tolist()
-        ids += rest
-        return self._seg.finish(ids, add_special_tokens), reused
+            self._count(depth >= 0, ends[depth - lo] if depth >= 0 else 0)
+        acc.fromlist(rest)
+        self._seg.finish(acc, add_special_tokens)
+        return acc.tolist(), reused, acc
 
-    def _fallback(self, text: str, add_special_tokens: bool) -> tuple[list[int], int]:
+    def _fallback(self, text: str, add_special_tokens: bool) -> tuple[list[int], int, None]:
         with self._lock:
             self.fallbacks += 1
             self._count(False, 0)
-        return self._tok.encode(text, add_special_tokens=add_special_tokens), 0
+        return self._tok.encode(text, add_special_tokens=add_special_tokens), 0, None
 
     def _count(self, hit: bool, reused_bytes: int) -> None:
         if hit:
@@ -401,13 +403,20 @@ class L1Cache:
 
 
 
-def _prefix_keys(view: memoryview, ends: list[int], add_special_tokens: bool, lo: int, hi: int) -> list[bytes]:
-    """sha256 of the flag and each prefix up to boundaries lo..hi-1: the bytes before boundary lo's end
-    in one call, then one digest per boundary. A lookup asks first for the few deepest, where a
-    growing conversation finds its previous turn, so most boundaries are never digested."""
+def _ends(parts: list[bytes], size: int, lo: int) -> list[int]:
+    """Byte offsets right after boundaries lo..n-1 of split `parts` of `size` bytes, counted from the
+    end: a lookup that needs only the deepest few boundaries touches only the parts after them."""
+    tail = parts[2 * lo + 1:]
+    return list(accumulate(map(len, tail), initial=size - sum(map(len, tail))))[1::2]
+
+
+def _prefix_keys(view: memoryview, ends: list[int], add_special_tokens: bool) -> list[bytes]:
+    """sha256 of the flag and each prefix `view[:end]`: the bytes before the first end in one call, then
+    one digest per boundary. A lookup asks first for the few deepest, where a growing conversation
+    finds its previous turn, so most boundaries are never digested."""
     h = hashlib.sha256(b"\x01" if add_special_tokens else b"\x00")
     keys, pos = [], 0
-    for end in ends[lo:hi]:
+    for end in ends:
         h.update(view[pos:end])
         keys.append(h.copy().digest())
         pos = end
