@@ -93,7 +93,9 @@ class HuggingFaceTokenizer(_Wrapped):
     kind: str = field(default="huggingface", init=False)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call releases the GIL while it runs (`encode` holds it throughout): a long input
+        # must not starve the worker's I/O thread, whose heartbeats keep the worker alive.
+        return self.raw.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         # `tokenizers` skips ids it has no token for, silently: check those (max and the gaps) first.
@@ -101,7 +103,7 @@ class HuggingFaceTokenizer(_Wrapped):
         if ids and (max(ids) >= self.vocab_size or (self.unassigned and not self.unassigned.isdisjoint(ids))):
             check_ids(ids, self.vocab_size, self.unassigned)
         try:
-            return self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
+            return self.raw.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]  # releases the GIL
         except OverflowError:
             check_ids(ids, self.vocab_size, self.unassigned)
             raise
