@@ -57,6 +57,13 @@ class Result:
 
 
 @dataclass(frozen=True)
+class Draining:
+    """The worker said BYE: it finishes what it holds but takes nothing new."""
+
+    wid: bytes
+
+
+@dataclass(frozen=True)
 class Left:
     wid: bytes
     why: str
@@ -124,7 +131,7 @@ class Backend:
             return None
         if kind == b"B":
             worker.draining = True
-            return Left(wid, "leaving") if not worker.jobs else None
+            return Left(wid, "leaving") if not worker.jobs else Draining(wid)
         log.warning("worker %s sent an unknown message kind %r", worker.name, kind)
         return None
 

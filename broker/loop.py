@@ -14,16 +14,16 @@ import socket
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import zmq
 
 from tokenbroker import __version__
 from tokenbroker.common.config import BrokerConfig
-from tokenbroker.common.protocol import Envelope, error_reply, ok_reply
+from tokenbroker.common.protocol import MAX_DEADLINE_MS, Envelope, error_reply, ok_reply
 
 from .affinity import RouteKey, route_key
-from .backend import Backend, Joined, Left, Result, WorkerState
+from .backend import Backend, Draining, Joined, Left, Result, WorkerState
 from .frontend import Frontend
 from .metrics import PoolMetrics
 from .router import Router
@@ -42,7 +42,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 class Job:
     job_id: int
     envelope: Envelope
-    request_id: Any
+    request_id: bytes  # the id's MessagePack bytes, echoed as they came
     raw: bytes
     op: str
     route: RouteKey | None
@@ -78,6 +78,7 @@ class Broker:
         self.jobs: dict[int, Job] = {}
         self.pending: deque[Job] = deque()
         self.waiting = 0  # jobs in `pending` still unanswered
+        self.stale_pending = 0  # answered jobs still in `pending`, dropped in batches
         self.held_bytes = 0  # payload bytes of every job held (pending or in flight), bounded by max_pending_bytes
         self.deadlines: list[tuple[float, int]] = []
         self.next_id = 1
@@ -156,7 +157,7 @@ class Broker:
                 continue
             request, envelope = incoming.request, incoming.envelope
             if request.op == "ping":
-                self.frontend.reply(envelope, ok_reply(request.id, {
+                self.frontend.reply(envelope, ok_reply(request.raw_id, {
                     "workers": self.backend.ready_count(), "version": __version__, "worker": "broker"}))
                 self.metrics.request_done("ping", "ok", time.monotonic() - now)
                 continue
@@ -166,18 +167,22 @@ class Broker:
                 why = "the broker is shutting down" if self.stopping_since is not None else \
                     f"{self.waiting} requests ({self.held_bytes} bytes) are queued " \
                     f"(--max-pending {self.config.max_pending}, --max-pending-bytes {self.config.max_pending_bytes})"
-                self.frontend.fail(envelope, request.id, "overloaded", f"{why}; retry later")
+                self.frontend.fail(envelope, request.raw_id, "overloaded", f"{why}; retry later")
                 self.metrics.request_done(request.op, "overloaded", 0.0)
                 continue
             timeout_ms = request.deadline_ms or self.config.request_timeout_ms
             route = route_key(request) if self.config.routing == "affinity" else None
-            job = Job(self.next_id, envelope, request.id, incoming.raw, request.op, route,
+            job = Job(self.next_id, envelope, request.raw_id, incoming.raw, request.op, route,
                       received=now, deadline=now + timeout_ms / 1000, queued=now)
             self.next_id += 1
             self._hold(job)
             self.pending.append(job)
             self.waiting += 1
             heapq.heappush(self.deadlines, (job.deadline, job.job_id))
+
+    @staticmethod
+    def _timeout_message(job: Job) -> str:
+        return f"no worker answered within the deadline ({(job.deadline - job.received) * 1000:.0f} ms)"
 
     def _hold(self, job: Job) -> None:
         self.jobs[job.job_id] = job
@@ -211,7 +216,7 @@ class Broker:
         for _ in range(min(AFFINITY_LOOKAHEAD, len(self.pending))):
             job = self.pending.popleft()
             if job.answered:
-                self._release(job)
+                self._drop_stale(job)
                 continue
             wid = self.router.pick(job.route, overflow=False) if free > 0 else None
             if wid is None:
@@ -224,7 +229,7 @@ class Broker:
             job = self.pending[0]
             if job.answered:
                 self.pending.popleft()
-                self._release(job)
+                self._drop_stale(job)
                 continue
             if job.queued > spill_before:
                 return  # it may still wait for its preferred worker (and the queue is in arrival order)
@@ -239,8 +244,19 @@ class Broker:
         self.waiting -= 1
         job.worker = wid
         job.attempts += 1
-        budget_ms = max(1, int((job.deadline - now) * 1000))
-        self.backend.send_job(wid, job.job_id, budget_ms, job.raw)
+        budget_ms = min(MAX_DEADLINE_MS, max(1, int((job.deadline - now) * 1000)))
+        try:
+            self.backend.send_job(wid, job.job_id, budget_ms, job.raw)
+        except Exception:  # a bug must cost this request, never the loop
+            log.exception("could not send job of request id=%r to %r", job.request_id, wid)
+            self.router.finished(wid)
+            self._release(job)
+            self._fail(job, "internal", "the broker could not hand the request to a worker", now)
+
+    def _drop_stale(self, job: Job) -> None:
+        """An answered job met at the queue's head: it was released when it was answered."""
+        self._release(job)
+        self.stale_pending = max(0, self.stale_pending - 1)
 
     def _requeue(self, job: Job) -> None:
         job.worker = None  # its queue time stays: its worker is gone, so it may go anywhere at once
@@ -259,6 +275,8 @@ class Broker:
             self._on_result(event, now)
         elif isinstance(event, Left):
             self._worker_gone(event.wid, event.why, now, event.state)
+        elif isinstance(event, Draining):
+            self.router.remove_worker(event.wid)  # nothing new goes to it; its jobs finish there
 
     def _on_result(self, result: Result, now: float) -> None:
         worker = self.backend.workers.get(result.wid)
@@ -268,8 +286,11 @@ class Broker:
         worker.jobs.discard(job.job_id)
         self.router.finished(result.wid)
         self._release(job)
-        if not job.answered and result.payload:
-            self._answer(job, result.payload, result.outcome, now)
+        if not job.answered:
+            if result.payload:
+                self._answer(job, result.payload, result.outcome, now)
+            else:  # the worker saw the budget run out a moment before the broker's own timer
+                self._fail(job, "timeout", self._timeout_message(job), now)
         if worker.draining and not worker.jobs:
             self._worker_gone(result.wid, "left", now)
 
@@ -305,9 +326,15 @@ class Broker:
             job = self.jobs.get(job_id)
             if job is None or job.answered:
                 continue
-            if job.worker is None:
+            self._fail(job, "timeout", self._timeout_message(job), now)
+            if job.worker is None:  # still queued: let go of it now, not when the queue next moves
                 self.waiting -= 1
-            self._fail(job, "timeout", f"no worker answered within the deadline ({(job.deadline - job.received) * 1000:.0f} ms)", now)
+                self._release(job)
+                job.raw = b""
+                self.stale_pending += 1
+        if self.stale_pending > max(64, len(self.pending) // 2):
+            self.pending = deque(j for j in self.pending if not j.answered)
+            self.stale_pending = 0
         self._dispatch(now)
         if now >= self.next_publish:
             self.metrics.publish(self.snapshot())
