@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import zmq
 
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import Envelope, Request, error_reply, parse_request, peek_id
+from tokenbroker.common.protocol import NIL, Envelope, Request, error_reply, parse_request, raw_id
 
 
 @dataclass(frozen=True)
@@ -53,17 +53,17 @@ class Frontend:
         try:
             envelope, raw = split_envelope(frames)
         except _Malformed as e:
-            self.fail(e.envelope, None, "bad_request",
+            self.fail(e.envelope, NIL, "bad_request",
                       f"a message is an optional empty delimiter then one payload frame; got {e.count} frames")
             return None
         if len(raw) > self.max_request_bytes:
-            self.fail(envelope, peek_id(raw), "too_large",
+            self.fail(envelope, raw_id(raw), "too_large",
                       f"payload is {len(raw)} bytes; this broker takes at most {self.max_request_bytes} (--max-request-bytes)")
             return None
         try:
             request = parse_request(raw)
         except ProtocolError as e:
-            self.fail(envelope, peek_id(raw), e.code, e.message)
+            self.fail(envelope, raw_id(raw), e.code, e.message)
             return None
         return Incoming(envelope, raw, request)
 
@@ -73,5 +73,5 @@ class Frontend:
         except zmq.Again:  # the client is gone or not reading: drop, never block the loop
             pass
 
-    def fail(self, envelope: Envelope, request_id: object, code: str, message: str) -> None:
-        self.reply(envelope, error_reply(request_id, code, message))
+    def fail(self, envelope: Envelope, raw_request_id: bytes, code: str, message: str) -> None:
+        self.reply(envelope, error_reply(raw_request_id, code, message))

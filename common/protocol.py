@@ -33,6 +33,9 @@ HEARTBEAT_LIVENESS = 5  # a worker silent for interval * liveness is gone
 
 JOB_ID = struct.Struct("<Q")
 
+# Deadlines beyond this (about 24.8 days) are taken as this: any int > 0 is valid on the wire.
+MAX_DEADLINE_MS = 2**31 - 1
+
 # Worker process exit code when its tokenizers cannot be loaded: not a crash, never respawned.
 EXIT_BOOT_ERROR = 3
 
@@ -47,10 +50,12 @@ def unpack(data: bytes) -> Any:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except UnicodeDecodeError as e:
         raise ProtocolError("bad_request", f"payload holds a str that is not valid UTF-8: {e.reason}") from e
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
-        raise ProtocolError("bad_request", f"payload is not one MessagePack value: {e}") from e
-    except Exception as e:  # msgpack raises a few other types on truncated input
-        raise ProtocolError("bad_request", f"payload is not valid MessagePack: {e}") from e
+    except msgpack.ExtraData as e:
+        raise ProtocolError("bad_request", "payload holds more than one MessagePack value: send one map") from e
+    except Exception as e:  # FormatError, StackError, ValueError on truncated input, ...
+        start = f"starting 0x{data[:1].hex()}" if data else "empty"
+        detail = str(e) or f"byte 0x{data[:1].hex()} begins no MessagePack value"
+        raise ProtocolError("bad_request", f"payload is not valid MessagePack ({len(data)} bytes, {start}): {detail}") from e
 
 
 # --- typed field access ------------------------------------------------------------------
@@ -109,6 +114,7 @@ class Request:
     """The common fields of a client request, validated; `payload` keeps the whole map."""
 
     id: Any
+    raw_id: bytes  # the id as it came, for the reply
     op: str
     model: str | None
     deadline_ms: int | None
@@ -117,24 +123,32 @@ class Request:
     payload: dict
 
 
-def peek_id(data: bytes) -> Any:
-    """The request id, read without decoding the rest (values are skipped in C); nil if unreadable.
+NIL = b"\xc0"
+_CONTAINER_TYPES = frozenset(range(0x80, 0xA0)) | {0xDC, 0xDD, 0xDE, 0xDF}  # fixmap, fixarray, array/map 16/32
 
-    Used where the payload is refused whole (too large, or malformed elsewhere), so that a
-    pipelining client can still match the error to its request.
+
+def raw_id(data: bytes) -> bytes:
+    """The `id` value's own MessagePack bytes, to echo untouched (a float32 stays a float32).
+
+    Nil when absent, unreadable, a list or a map. Other values are skipped in C, not decoded.
     """
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1))
     unpacker.feed(data)
     try:
         for _ in range(unpacker.read_map_header()):
-            key = unpacker.unpack()
-            if key == "id":
-                value = unpacker.unpack()
-                return None if isinstance(value, (list, dict)) else value
+            if unpacker.unpack() != "id":
+                unpacker.skip()
+                continue
+            start = unpacker.tell()
             unpacker.skip()
+            value = data[start:unpacker.tell()]
+            if value[0] in _CONTAINER_TYPES:
+                return NIL
+            msgpack.unpackb(value, raw=False)  # a str id must be valid UTF-8 to be echoed
+            return value
     except Exception:
-        return None
-    return None
+        return NIL
+    return NIL
 
 
 def parse_request(data: bytes) -> Request:
@@ -151,11 +165,14 @@ def parse_request(data: bytes) -> Request:
     deadline_ms = opt(payload, "deadline_ms", int, None)
     if deadline_ms is not None and deadline_ms <= 0:
         raise ProtocolError("bad_request", f"field 'deadline_ms' must be an int > 0, got {deadline_ms}")
+    if deadline_ms is not None:
+        deadline_ms = min(deadline_ms, MAX_DEADLINE_MS)
     tokens_format = opt(payload, "tokens_format", str, "list")
     if tokens_format not in TOKENS_FORMATS:
         raise ProtocolError("bad_request", f"field 'tokens_format' must be \"list\" or \"u32\", got {tokens_format!r}")
     return Request(
         id=payload.get("id"),
+        raw_id=raw_id(data),
         op=op,
         model=opt(payload, "model", str, None),
         deadline_ms=deadline_ms,
@@ -165,12 +182,22 @@ def parse_request(data: bytes) -> Request:
     )
 
 
-def error_reply(request_id: Any, code: str, message: str) -> bytes:
-    return pack({"id": request_id, "ok": False, "error": {"code": code, "message": message}})
+def reply(raw_request_id: bytes, fields: dict) -> bytes:
+    """A reply map: `id` with the request's id bytes as they came, then `fields`."""
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [packer.pack_map_header(len(fields) + 1), packer.pack("id"), raw_request_id]
+    for key, value in fields.items():
+        parts.append(packer.pack(key))
+        parts.append(packer.pack(value))
+    return b"".join(parts)
 
 
-def ok_reply(request_id: Any, fields: dict) -> bytes:
-    return pack({"id": request_id, "ok": True, **fields})
+def error_reply(raw_request_id: bytes, code: str, message: str) -> bytes:
+    return reply(raw_request_id, {"ok": False, "error": {"code": code, "message": message}})
+
+
+def ok_reply(raw_request_id: bytes, fields: dict) -> bytes:
+    return reply(raw_request_id, {"ok": True, **fields})
 
 
 # --- worker handshake --------------------------------------------------------------------

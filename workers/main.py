@@ -44,7 +44,6 @@ from tokenbroker.common.protocol import (
     W_RESULT,
     Ready,
     pack,
-    unpack,
 )
 
 from .ops import Ops
@@ -220,8 +219,8 @@ def serve(config: WorkerConfig) -> int:
         if reply is None:
             out.send_multipart([job.job_id, b"", b"skipped"])
         else:
-            code = b"" if reply["ok"] else reply["error"]["code"].encode()
-            out.send_multipart([job.job_id, pack(reply), code])
+            payload, outcome = reply
+            out.send_multipart([job.job_id, payload, b"" if outcome == "ok" else outcome.encode()])
         now = time.monotonic()
         if now - last_stats >= STATS_EVERY_S or shared.jobs.empty():
             shared.stats = registry.cache_stats()

@@ -12,7 +12,7 @@ from array import array
 from typing import Any
 
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import opt, parse_request, req, type_name
+from tokenbroker.common.protocol import error_reply, ok_reply, opt, parse_request, raw_id, req, type_name
 
 from .count import count_request
 from .registry import CacheTally, ModelRegistry, WorkerCountEnv
@@ -54,25 +54,23 @@ class Ops:
         self.registry = registry
         self.worker_name = worker_name
 
-    def handle(self, data: bytes) -> dict:
-        """Serve one client payload; returns the full reply map (errors included)."""
-        request_id = None
+    def handle(self, data: bytes) -> tuple[bytes, str]:
+        """Serve one client payload: (the reply bytes, "ok" or the error code)."""
+        request_id = raw_id(data)
         try:
             request = parse_request(data)
-            request_id = request.id
             method = getattr(self, f"op_{request.op}", None)
             if method is None:
                 raise ProtocolError("unknown_op", f"field 'op': {request.op!r} is not served by workers")
             fields = method(request.payload, request.model, request.tokens_format)
-            return {"id": request_id, "ok": True, **fields, "worker": self.worker_name}
+            return ok_reply(request_id, {**fields, "worker": self.worker_name}), "ok"
         except ProtocolError as e:
-            return {"id": request_id, "ok": False, "error": e.to_wire()}
+            return error_reply(request_id, e.code, e.message), e.code
         except RecursionError:
-            return {"id": request_id, "ok": False,
-                    "error": {"code": "invalid_input", "message": "input is nested too deeply to process"}}
+            return error_reply(request_id, "invalid_input", "input is nested too deeply to process"), "invalid_input"
         except Exception as e:  # a bug: say so, keep serving
             log.exception("internal error serving request id=%r", request_id)
-            return {"id": request_id, "ok": False, "error": {"code": "internal", "message": f"internal error: {type(e).__name__}: {e}"}}
+            return error_reply(request_id, "internal", f"internal error: {type(e).__name__}: {e}"), "internal"
 
     # --- ops ---------------------------------------------------------------------------
 
@@ -94,7 +92,7 @@ class Ops:
             tally.add(outcome)
             total += len(ids)
             out.append(_tokens_out(ids, fmt))
-        cache = tally.to_wire() if text else {"l0": "off" if not model.cache_on else "miss", "l1_reused_tokens": 0}
+        cache = tally.to_wire() if text else self._no_lookup()
         return {"tokens": out, "count": total, "cache": cache}
 
     def op_detokenize(self, p: dict, model_name: str | None, fmt: str) -> dict:
@@ -153,8 +151,12 @@ class Ops:
             "vocabulary": result.vocabulary,
             "warnings": list(result.warnings),
         }
-        reply["cache"] = tally.to_wire() if tally.lookups else {"l0": "miss", "l1_reused_tokens": 0}
+        reply["cache"] = tally.to_wire() if tally.lookups else self._no_lookup()
         return reply
+
+    def _no_lookup(self) -> dict:
+        """`cache` for a request that looked nothing up (an empty batch, an estimate-only count)."""
+        return {"l0": "miss" if self.registry.l0_enabled else "off", "l1_reused_tokens": 0}
 
     def op_models(self, p: dict, model_name: str | None, fmt: str) -> dict:
         return {"models": self.registry.describe()}

@@ -123,11 +123,17 @@ class ModelRegistry:
         self._extras_lock = threading.Lock()
 
     @property
+    def l0_enabled(self) -> bool:
+        return self._config.cache.l0_enabled
+
+    @property
     def default(self) -> Model:
         return self.models[0]
 
     def find(self, name: str) -> Model | None:
-        """Exact name or alias, then the --tokenizer-map globs."""
+        """Exact name or alias, then the --tokenizer-map globs; "" names nothing (even for a `*` glob)."""
+        if not name:
+            return None
         model = self._by_name.get(name)
         if model is None:
             target = self._map.lookup(name)
