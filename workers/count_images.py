@@ -19,6 +19,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 from .count_walk import Notes
 
