@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from tokenbroker.common.protocol import EXIT_BOOT_ERROR
+from tokenbroker.common.protocol import EXIT_BOOT_ERROR, PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,9 @@ class Exit:
     def boot_error(self) -> bool:
         return self.returncode == EXIT_BOOT_ERROR
 
-    def describe(self) -> str:
+    def describe(self, killed_as_hung: bool = False) -> str:
+        if killed_as_hung:
+            return f"worker {self.name} (pid {self.pid}) was killed for not answering heartbeats"
         if self.returncode < 0:
             sig = signal.Signals(-self.returncode).name
             hint = " (killed: out of memory?)" if self.returncode == -signal.SIGKILL else ""
@@ -66,6 +68,7 @@ class Supervisor:
         self.generation = 0
         self.restarts = 0
         self.stopping = False
+        self.killed_as_hung: set[str] = set()
 
     def start(self) -> None:
         for slot in range(self.count):
@@ -76,6 +79,7 @@ class Supervisor:
         name = f"{self.name_prefix}-{slot}.{self.generation}"
         argv = [sys.executable, "-m", "tokenbroker", "worker", "--connect", self.connect, "--name", name, *self.worker_argv]
         env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        env[PARENT_PID_ENV] = str(os.getpid())  # the worker leaves when its broker is gone, even by SIGKILL
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         child = Child(slot, name, proc, time.monotonic())
         self.children[slot] = child
@@ -91,13 +95,15 @@ class Supervisor:
                 continue
             del self.children[slot]
             ex = Exit(slot, child.name, child.proc.pid, code)
+            hung = child.name in self.killed_as_hung
+            self.killed_as_hung.discard(child.name)
             exits.append(ex)
             if self.stopping:
                 continue
             if ex.boot_error:
                 log.error("%s: it cannot load its tokenizers; not restarting it", ex.describe())
                 continue
-            log.error("%s; restarting it", ex.describe())
+            log.error("%s; restarting it", ex.describe(hung))
             lived = now - child.started
             delay = 0.0 if lived > STABLE_S else min(self.backoff.get(slot, BACKOFF_INIT_S / 2) * 2, BACKOFF_MAX_S)
             self.backoff[slot] = delay if delay else BACKOFF_INIT_S / 2
@@ -116,6 +122,7 @@ class Supervisor:
         for child in self.children.values():
             if child.name == name:
                 log.error("worker %s (pid %d) stopped answering: killing it", name, child.proc.pid)
+                self.killed_as_hung.add(name)
                 _signal(child.proc, signal.SIGKILL)
 
     def terminate(self) -> None:

@@ -36,6 +36,9 @@ JOB_ID = struct.Struct("<Q")
 # Deadlines beyond this (about 24.8 days) are taken as this: any int > 0 is valid on the wire.
 MAX_DEADLINE_MS = 2**31 - 1
 
+# Set by the supervisor for local workers: the broker's pid, so a worker whose broker died leaves.
+PARENT_PID_ENV = "TOKENBROKER_PARENT_PID"
+
 # Worker process exit code when its tokenizers cannot be loaded: not a crash, never respawned.
 EXIT_BOOT_ERROR = 3
 

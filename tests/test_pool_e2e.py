@@ -169,3 +169,66 @@ def test_cli_client_prints_json(multi_broker):
     assert tokens[0] == 101 and tokens[-1] == 102
     assert run("detokenize", *map(str, tokens), "--model", "bert")["text"] == "hello world"
     assert {m["name"] for m in run("models")["models"]} >= {"deepseek", "bert"}
+
+
+def test_a_long_request_is_served_and_its_worker_not_taken_for_hung():
+    """Tokenizing ~10 MB takes longer than the heartbeat liveness; the worker must keep beating."""
+    with serving(workers=1) as (broker, c):
+        pids = broker.worker_pids()
+        reply = c.call("tokenize", text="word " * 2_000_000, deadline_ms=180_000, timeout=200)
+        assert reply["ok"], reply.get("error")
+        assert reply["count"] == len(reply["tokens"]) > 1_000_000
+        assert broker.worker_pids() == pids
+
+
+def test_huge_deadline_is_served_and_does_not_stop_the_broker():
+    with serving(workers=1) as (_, c):
+        assert c.call("tokenize", text="x", deadline_ms=2**64 - 1)["ok"]
+        assert c.call("ping")["workers"] == 1
+
+
+def test_every_request_is_answered_when_deadlines_race_the_worker():
+    """Deadlines that end while a job waits on the worker: each one gets exactly one reply."""
+    with serving(workers=1) as (_, c):
+        n = 0
+        for round_ in range(40):
+            c.send({"id": n, "op": "tokenize", "text": "lorem ipsum " * 4000})
+            n += 1
+            for deadline in (8, 12, 16, 20):
+                c.send({"id": n, "op": "tokenize", "text": f"short {round_}", "deadline_ms": deadline})
+                n += 1
+        replies = [c.recv(timeout=30) for _ in range(n)]
+        assert sorted(r["id"] for r in replies) == list(range(n))
+        assert {r["error"]["code"] for r in replies if not r["ok"]} <= {"timeout"}
+
+
+def test_a_remote_worker_leaving_under_load_takes_no_request_down_with_it():
+    port = _free_port()
+    with serving("--backend", f"tcp://127.0.0.1:{port}", workers=1) as (_, c):
+        remote = subprocess.Popen([sys.executable, "-m", "tokenbroker", "worker", "--connect", f"tcp://127.0.0.1:{port}",
+                                   "--name", "leaving"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_until(lambda: c.call("ping")["workers"] == 2, timeout=60, what="the remote worker")
+            n = 200
+            for i in range(n):
+                c.send({"id": i, "op": "tokenize", "text": f"request {i} " + "lorem ipsum " * 500})
+            first = c.recv()
+            remote.send_signal(signal.SIGTERM)
+            replies = [first] + [c.recv(timeout=30) for _ in range(n - 1)]
+            assert sorted(r["id"] for r in replies) == list(range(n))
+            assert all(r["ok"] for r in replies), {r["error"]["code"] for r in replies if not r["ok"]}
+            assert remote.wait(30) == 0
+        finally:
+            remote.kill()
+
+
+def test_local_workers_leave_when_their_broker_is_killed():
+    broker = start_broker(workers=2)
+    pids = wait_until(lambda: len(broker.worker_pids()) == 2 and broker.worker_pids(), what="two workers")
+    broker.stop(signal.SIGKILL)
+
+    def gone() -> bool:
+        return all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+                   for pid in pids)
+
+    wait_until(gone, timeout=30, what="orphaned workers to exit")

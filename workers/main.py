@@ -37,6 +37,7 @@ from tokenbroker.common.protocol import (
     EXIT_BOOT_ERROR,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
+    PARENT_PID_ENV,
     PROTOCOL_VERSION,
     W_BYE,
     W_HEARTBEAT,
@@ -88,6 +89,12 @@ class IoThread(threading.Thread):
         self.results_endpoint = f"inproc://results-{id(self)}"
         self.incarnation = uuid.uuid4().hex
         self.done = threading.Event()
+        parent = os.environ.get(PARENT_PID_ENV, "")
+        self.parent_pid = int(parent) if parent.isdigit() else None
+
+    def orphaned(self) -> bool:
+        """A local worker outlives a killed broker otherwise (it would reconnect forever)."""
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
 
     def _connect(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -143,6 +150,9 @@ class IoThread(threading.Thread):
                         break
                     self._on_broker(frames, now)
             if now >= next_beat:
+                if self.orphaned():
+                    log.warning("the broker that started this worker (pid %s) is gone: leaving", self.parent_pid)
+                    self.shared.leaving.set()
                 sock.send_multipart(self._heartbeat())
                 next_beat = now + interval
                 if sock not in events:
