@@ -112,21 +112,23 @@ class Envelope:
         return [self.identity, b"", payload] if self.delimited else [self.identity, payload]
 
 
+NIL = b"\xc0"  # MessagePack nil
+
+
 @dataclass(frozen=True)
 class Request:
     """The common fields of a client request, validated; `payload` keeps the whole map."""
 
     id: Any
-    raw_id: bytes  # the id as it came, for the reply
     op: str
     model: str | None
     deadline_ms: int | None
     affinity: str | None
     tokens_format: str
     payload: dict
+    raw_id: bytes = NIL  # the id's MessagePack bytes as they came, for the reply
 
 
-NIL = b"\xc0"
 _CONTAINER_TYPES = frozenset(range(0x80, 0xA0)) | {0xDC, 0xDD, 0xDE, 0xDF}  # fixmap, fixarray, array/map 16/32
 
 
