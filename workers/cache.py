@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from tokenbroker.common.config import CacheConfig
 
 from .cache_l0 import L0Cache, LayerStats
-from .cache_l1 import L1Cache, NotSplittable, Segmenter, Tokenizer, check_exact
+from .cache_l1 import L1Cache
+from .cache_segment import NotSplittable, Segmenter, Tokenizer, check_exact
 
 log = logging.getLogger(__name__)
 

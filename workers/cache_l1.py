@@ -1,19 +1,7 @@
 """L1: the ids of every prefix that ends right after a special token, so a new turn pays only for itself.
 
-Why splitting there is exact, and how it is kept exact:
-- Both tokenizer kinds cut their input at special-token matches before anything else runs (Hugging
-  Face: non-normalized added tokens, matched leftmost-longest on the raw text; tiktoken: its special
-  regex), then normalize, pre-tokenize and tokenize each piece on its own. `Segmenter.split`
-  finds those same matches (a trie regex over the same token set is leftmost-longest too).
-- A piece is encoded with the special token before it as left context and that token's id dropped,
-  so whatever depends on what precedes a piece (Metaspace prepend_scheme "first", an rstrip special
-  eating the whitespace after it, single_word) sees what the whole input would show it. Each result
-  is checked: the context id must come first and a piece must end with its boundary's id; otherwise
-  the lookup falls back to tokenizing the whole input.
-- Post-processing (BOS/EOS templates) adds ids around the whole sequence once: pieces are encoded
-  without it and the head and tail learnt at load are added once at the end.
-- At load, probe inputs built from the tokenizer's own specials compare the split result with a plain
-  encode for both flag values; any difference bypasses L1 for that tokenizer, with the reason.
+Where inputs are cut, and why that is exact, is workers/cache_segment.py's job; this module keeps
+the prefixes (a byte-budgeted store with sampled LRU eviction) and serves lookups through them.
 """
 
 from __future__ import annotations
@@ -21,14 +9,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-import re
 import threading
 from array import array
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, Protocol
 
 from .cache_l0 import ID_TYPECODE, LayerStats
+from .cache_segment import Segmenter, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -40,220 +27,6 @@ ENTRY_OVERHEAD = 256
 # Boundaries keyed first, deepest first: a growing conversation adds a few specials per turn, so its
 # previous request's deepest boundary is among them; only on a miss there are the others keyed.
 PROBE_FIRST = 8
-
-
-class Tokenizer(Protocol):
-    """What the cache needs of tokenbroker.workers.tokenizers.Tokenizer."""
-
-    kind: str
-    named_specials: dict[str, str]
-    special_tokens: dict[str, int]
-    raw: Any
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
-
-
-class NotSplittable(Exception):
-    """This tokenizer cannot be split at special tokens exactly; the message says why."""
-
-
-# --- where the tokenizer itself splits ---------------------------------------------------------------
-
-
-def trie_regex(words: list[bytes]) -> re.Pattern[bytes]:
-    """Leftmost-longest matcher for literal byte strings: a trie whose optional tails are greedy."""
-    trie: dict[Any, Any] = {}
-    for w in words:
-        node = trie
-        for b in w:
-            node = node.setdefault(b, {})
-        node[None] = True
-
-    def emit(node: dict[Any, Any]) -> bytes:
-        kids = sorted((k, v) for k, v in node.items() if k is not None)
-        if not kids:
-            return b""
-        alts = [re.escape(bytes([k])) + emit(v) for k, v in kids]
-        body = alts[0] if len(alts) == 1 else b"(?:" + b"|".join(alts) + b")"
-        return b"(?:" + body + b")?" if None in node else body
-
-    return re.compile(emit(trie) if trie else b"(?!)")
-
-
-def _hf_tokens(tok: Tokenizer) -> tuple[list[str], dict[str, int]]:
-    """(texts the first split pass matches, boundary specials -> id) for a tokenizers.Tokenizer."""
-    raw = tok.raw
-    if getattr(raw, "truncation", None) is not None or getattr(raw, "padding", None) is not None:
-        raise NotSplittable("truncation or padding is on")
-    if getattr(raw, "encode_special_tokens", False):
-        raise NotSplittable("encode_special_tokens is on: special tokens are not split out")
-    added = raw.get_added_tokens_decoder()
-    first_pass = [a.content for a in added.values() if not a.normalized]
-    bounds = {a.content: i for i, a in added.items()
-              if not a.normalized and tok.special_tokens.get(a.content) == i}
-    return first_pass, bounds
-
-
-def _tiktoken_tokens(tok: Tokenizer) -> tuple[list[str], dict[str, int]]:
-    raw_specials = set(getattr(tok.raw, "special_tokens_set", ()))
-    allowed = {t: i for t, i in tok.special_tokens.items() if t in raw_specials}
-    everything = sorted(raw_specials | set(tok.special_tokens))
-    joined = "\0".join(everything)
-    for t in everything:  # tiktoken's special regex is an alternation in hash order: ambiguous if nested
-        if joined.count(t) > 1:
-            raise NotSplittable(f"special token {t!r} occurs inside another special token")
-    return list(allowed), allowed
-
-
-class Segmenter:
-    """Cuts an input around its special-token boundaries and encodes the pieces between them exactly.
-
-    An input is handled as `parts`, what `split` returns: [text, special, text, ..., special, text],
-    bytes, boundary specials at the odd indices, so boundary i is `parts[2i + 1]`, the text before it
-    `parts[2i]` and the special before that `parts[2i - 1]`. Plain lists of bytes built by one C-level
-    `re.split`: no Python object per boundary, which on a fast tokenizer costs more than encoding.
-    """
-
-    def __init__(self, tok: Tokenizer) -> None:
-        self._tok = tok
-        if tok.kind == "huggingface":
-            matched, specials = _hf_tokens(tok)
-        elif tok.kind == "tiktoken":
-            matched, specials = _tiktoken_tokens(tok)
-        else:
-            raise NotSplittable(f"unknown tokenizer kind {tok.kind!r}")
-        # A special with whitespace at its edge could meet an lstrip/rstrip neighbour: never split there.
-        self._specials = {t: i for t, i in specials.items() if t and t == t.strip()}
-        matched_bytes = sorted({t.encode("utf-8") for t in matched if t})
-        try:
-            self._splitter = re.compile(b"(" + trie_regex(matched_bytes).pattern + b")")
-        except (RecursionError, OverflowError, re.error) as e:
-            raise NotSplittable(f"cannot build a matcher for {len(matched)} added tokens: {e}") from e
-        self._ids = {t.encode("utf-8"): i for t, i in self._specials.items()}
-        # Some matches may not be boundaries (non-special added tokens, specials with edge whitespace):
-        # those are glued back into the text around them.
-        self._every_match_bounds = set(matched_bytes) <= self._ids.keys()
-        # tiktoken encodes the text between specials on its own: when every special it knows is a
-        # boundary, a piece is that text's ordinary encoding plus the special's id (no per-call set).
-        ordinary = getattr(tok.raw, "encode_ordinary", None)
-        self._ordinary = ordinary if tok.kind == "tiktoken" and len(self._specials) == len(matched) else None
-        self.head, self.tail = _learn_template(tok)
-
-    @property
-    def specials(self) -> dict[str, int]:
-        return self._specials
-
-    def split(self, data: bytes) -> list[bytes]:
-        """`data` as [text, special, ..., special, text]: boundary specials at odd indices, nothing lost."""
-        parts = self._splitter.split(data)
-        if self._every_match_bounds or len(parts) == 1 or self._ids.keys() >= set(parts[1::2]):
-            return parts
-        out = [parts[0]]
-        for i in range(1, len(parts), 2):
-            if parts[i] in self._ids:
-                out += (parts[i], parts[i + 1])
-            else:
-                out[-1] += parts[i] + parts[i + 1]
-        return out
-
-    def encode_piece(self, text: bytes, left: bytes | None, right: bytes | None) -> list[int] | None:
-        """Ids of `text` and then the `right` special as they appear in the whole input, where `left` is
-        the special before `text` (None at the start, and `right` None at the end); None when a check
-        shows the result would differ."""
-        if self._ordinary is not None:
-            ids = self._ordinary(text.decode("utf-8"))
-            if right is not None:
-                ids.append(self._ids[right])
-            return ids
-        if right is not None:
-            text += right
-        if left is None:
-            ids = self._tok.encode(text.decode("utf-8"), add_special_tokens=False)
-        elif not text:
-            return []
-        else:
-            ids = self._tok.encode((left + text).decode("utf-8"), add_special_tokens=False)
-            if not ids or ids[0] != self._ids[left]:
-                return None
-            del ids[0]
-        if right is not None and (not ids or ids[-1] != self._ids[right]):
-            return None
-        return ids
-
-    def finish(self, ids: array, add_special_tokens: bool) -> None:
-        """Apply the post-processor's head and tail once, in place, as encoding the whole input would."""
-        if add_special_tokens:
-            if self.head:
-                ids[:0] = array(ID_TYPECODE, self.head)
-            if self.tail:
-                ids.fromlist(self.tail)
-
-    def encode_split(self, text: str, add_special_tokens: bool) -> list[int] | None:
-        """The whole input the L1 way, piece by piece (no cache); None when a check refused."""
-        parts = self.split(text.encode("utf-8"))
-        out = array(ID_TYPECODE)
-        for i in range(0, len(parts), 2):
-            right = parts[i + 1] if i + 1 < len(parts) else None
-            ids = self.encode_piece(parts[i], parts[i - 1] if i else None, right)
-            if ids is None:
-                return None
-            out.fromlist(ids)
-        self.finish(out, add_special_tokens)
-        return out.tolist()
-
-
-def _learn_template(tok: Tokenizer) -> tuple[list[int], list[int]]:
-    """The ids add_special_tokens puts before and after a sequence, checked on a few inputs."""
-    empty = tok.encode("", add_special_tokens=True)
-    if tok.encode("", add_special_tokens=False):
-        raise NotSplittable("encoding the empty text gives ids")
-    splits: set[int] | None = None
-    for probe in ("a", "hello world", "Hello, World! 123\n"):
-        with_, without = tok.encode(probe, add_special_tokens=True), tok.encode(probe, add_special_tokens=False)
-        n = len(without)
-        ok = {i for i in range(len(empty) + 1)
-              if with_ == [*empty[:i], *without, *empty[i:]] and len(with_) == n + len(empty)}
-        splits = ok if splits is None else splits & ok
-    if not splits:
-        raise NotSplittable("add_special_tokens does more than add fixed ids around the sequence")
-    i = min(splits)
-    return empty[:i], empty[i:]
-
-
-_FILLERS = ("", "a", "hello", " hello", "hello ", "  ", "\n", " \n\t", "Hi there.", "héllo wörld", "日本語",
-            "123", "x  y", "\u2581", "<", ">")
-
-
-def probe_texts(seg: Segmenter, named: dict[str, str], added: list[str]) -> list[str]:
-    """Inputs where a careless split at special tokens goes wrong: edges, whitespace, neighbours, nesting."""
-    specials = sorted(seg.specials)
-    joined = "\0".join(added)
-    inner = [s for s in specials if joined.count(s) > 1]  # inside another added token
-    outer = [a for a in added if any(s != a and s in a for s in inner[:16])][:16]
-    picked = [t for t in named.values() if t in seg.specials] + inner[:8]
-    picked += specials[:: max(1, len(specials) // 8)][:8]
-    picked = list(dict.fromkeys(picked))[:16]
-    texts = []
-    for o in outer:
-        texts += [o, f"x{o}y", o[:-1], o[1:], f"{o} {o}", f"{o[:-1]} {o}"]
-    for i, s in enumerate(picked):
-        t = picked[(i + 1) % len(picked)]
-        texts += [s, s + s, f"a{s}b", f" {s} ", f"{s} hello", f"hello {s}", f"hello{s}world", f"{s}\n{t}\n",
-                  f"  {s}  {t}  ", f"{s}{t}", f"{s}x y", f"x y{s}", f"\n{s}\n\nhello\n{t}", f"{s}   "]
-        texts += [f"{a}{s}{b}" for a, b in zip(_FILLERS, reversed(_FILLERS))]
-    return texts
-
-
-def check_exact(seg: Segmenter, tok: Tokenizer) -> str | None:
-    """Why splitting changes a result on the probes, or None when it never does."""
-    decoder = getattr(tok.raw, "get_added_tokens_decoder", None)
-    added = [a.content for a in decoder().values()] if decoder else list(tok.special_tokens)
-    for text in probe_texts(seg, tok.named_specials, added):
-        for flag in (False, True):
-            got = seg.encode_split(text, flag)
-            if got is not None and got != tok.encode(text, add_special_tokens=flag):
-                return f"splitting at special tokens changes the ids of {text!r} (add_special_tokens={flag})"
-    return None
 
 
 # --- the store --------------------------------------------------------------------------------------
