@@ -214,11 +214,13 @@ class Broker:
         kept: list[Job] = []
         spill_before = now - self.config.spill_wait_ms / 1000
         for _ in range(min(AFFINITY_LOOKAHEAD, len(self.pending))):
+            if free <= 0:
+                break
             job = self.pending.popleft()
             if job.answered:
                 self._drop_stale(job)
                 continue
-            wid = self.router.pick(job.route, overflow=False) if free > 0 else None
+            wid = self.router.pick(job.route, overflow=False)
             if wid is None:
                 kept.append(job)
             else:
@@ -342,7 +344,6 @@ class Broker:
 
     def snapshot(self) -> dict:
         """What the exporter shows, copied so the HTTP thread never reads live structures."""
-        in_flight = self.router.in_flight()
         return {
             "queue_depth": self.waiting,
             "held": len(self.jobs),
@@ -352,8 +353,8 @@ class Broker:
                     "name": w.name,
                     "host": w.ready.host,
                     "pid": w.ready.pid,
-                    "state": "draining" if w.draining else ("busy" if in_flight.get(w.wid, 0) else "idle"),
-                    "in_flight": in_flight.get(w.wid, 0),
+                    "state": "draining" if w.draining else ("busy" if w.jobs else "idle"),
+                    "in_flight": len(w.jobs),  # what it holds, draining or not (the router forgets a draining one)
                     "capacity": w.ready.capacity,
                     "report": w.report,
                 }
