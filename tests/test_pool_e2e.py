@@ -232,3 +232,22 @@ def test_local_workers_leave_when_their_broker_is_killed():
                    for pid in pids)
 
     wait_until(gone, timeout=30, what="orphaned workers to exit")
+
+
+def test_requests_that_time_out_in_the_queue_are_let_go_at_once():
+    """With no worker to take them, timed-out queued requests must not stay held until the queue moves."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def held(url: str) -> float:
+        text = urlopen(url, timeout=5).read().decode()
+        return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name == "tokenbroker_requests_held")
+
+    with serving("--metrics-port", str(_free_port()), workers=0) as (broker, c):
+        for i in range(300):
+            c.send({"id": i, "op": "tokenize", "text": "x" * 1000, "deadline_ms": 1})
+        codes = {c.recv()["error"]["code"] for _ in range(300)}
+        assert codes == {"timeout"}
+        wait_until(lambda: held(broker.metrics) == 0, timeout=10, what="held requests to drop to zero")
