@@ -20,6 +20,10 @@ from tokenbroker.common.protocol import (
     HEARTBEAT_LIVENESS,
     JOB_ID,
     PROTOCOL_VERSION,
+    W_BYE,
+    W_HEARTBEAT,
+    W_READY,
+    W_RESULT,
     Ready,
     pack,
     unpack,
@@ -36,7 +40,6 @@ class WorkerState:
     jobs: set[int] = field(default_factory=set)
     draining: bool = False
     report: dict[str, Any] = field(default_factory=dict)  # the latest heartbeat body (cumulative counters, rss)
-    joined: float = 0.0
 
     @property
     def name(self) -> str:
@@ -90,50 +93,44 @@ class Backend:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return events
-            events.extend(self._on_frames(frames, now))
+            events.extend(self._on_frame(frames, now))
 
-    def _on_frames(self, frames: list[bytes], now: float) -> list[object]:
-        event = self._on_frame(frames, now)
-        if isinstance(event, list):
-            return event
-        return [] if event is None else [event]
-
-    def _on_frame(self, frames: list[bytes], now: float) -> object | list[object] | None:
+    def _on_frame(self, frames: list[bytes], now: float) -> list[object]:
         wid, kind, body = frames[0], frames[1] if len(frames) > 1 else b"", frames[2:]
         worker = self.workers.get(wid)
         if worker is not None:
             worker.expiry = self.expiry(now)
-        if kind == b"R":
+        if kind == W_READY:
             try:
                 ready = Ready.from_wire(body[0])
             except Exception as e:
                 log.warning("worker %r sent an unreadable READY: %s", wid, e)
-                return None
+                return []
             if ready.version != PROTOCOL_VERSION:
                 log.error("worker %s speaks protocol %d, this broker %d: ignored", ready.name, ready.version, PROTOCOL_VERSION)
-                return None
-            state = WorkerState(wid=wid, ready=ready, expiry=self.expiry(now), joined=now)
+                return []
+            state = WorkerState(wid=wid, ready=ready, expiry=self.expiry(now))
             self.workers[wid] = state
             if worker is not None:  # it reconnected: the old incarnation and what it held are gone
                 return [Left(wid, "reconnected", worker), Joined(state)]
-            return Joined(state)
+            return [Joined(state)]
         if worker is None:
-            return None  # a worker we forgot (expired): it will say READY again after reconnecting
-        if kind == b"D" and len(body) == 3:
-            return Result(wid, JOB_ID.unpack(body[0])[0], body[1], body[2].decode() or "ok")
-        if kind == b"H" and body:
+            return []  # a worker we forgot (expired): it will say READY again after reconnecting
+        if kind == W_RESULT and len(body) == 3:
+            return [Result(wid, JOB_ID.unpack(body[0])[0], body[1], body[2].decode() or "ok")]
+        if kind == W_HEARTBEAT and body:
             try:
                 report = unpack(body[0])
             except Exception:
-                return None
+                return []
             if isinstance(report, dict):
-                worker.report = report
-            return None
-        if kind == b"B":
+                worker.report = report  # replaced, never edited: the exporter's thread reads the old one
+            return []
+        if kind == W_BYE:
             worker.draining = True
-            return Left(wid, "leaving") if not worker.jobs else Draining(wid)
+            return [Left(wid, "leaving") if not worker.jobs else Draining(wid)]
         log.warning("worker %s sent an unknown message kind %r", worker.name, kind)
-        return None
+        return []
 
     def send_job(self, wid: bytes, job_id: int, budget_ms: int, payload: bytes) -> None:
         self.sock.send_multipart([wid, B_JOB, JOB_ID.pack(job_id), pack({"budget_ms": budget_ms}), payload])
