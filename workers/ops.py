@@ -78,7 +78,7 @@ class Ops:
         text = req(p, "text", (str, list))
         add_special = opt(p, "add_special_tokens", bool, True)
         model = self.registry.resolve(model_name)
-        tally = CacheTally()
+        tally = CacheTally(self.registry.l0_enabled)
         if isinstance(text, str):
             ids, outcome = model.cache.encode(text, add_special)
             tally.add(outcome)
@@ -92,8 +92,7 @@ class Ops:
             tally.add(outcome)
             total += len(ids)
             out.append(_tokens_out(ids, fmt))
-        cache = tally.to_wire() if text else self._no_lookup()
-        return {"tokens": out, "count": total, "cache": cache}
+        return {"tokens": out, "count": total, "cache": tally.to_wire()}
 
     def op_detokenize(self, p: dict, model_name: str | None, fmt: str) -> dict:
         tokens = req(p, "tokens", (list, bytes))
@@ -130,7 +129,7 @@ class Ops:
             extra=kwargs,
         )
         ids, outcome = model.cache.encode(prompt, False)
-        tally = CacheTally()
+        tally = CacheTally(self.registry.l0_enabled)
         tally.add(outcome)
         reply = {"tokens": _tokens_out(ids, fmt), "count": len(ids), "cache": tally.to_wire()}
         if return_prompt:
@@ -141,7 +140,7 @@ class Ops:
         body = req(p, "body", (dict, str, bytes))
         fmt_name = opt(p, "format", str, None)
         strict = opt(p, "strict", bool, False)
-        tally = CacheTally()
+        tally = CacheTally(self.registry.l0_enabled)
         result = count_request(
             body, format=fmt_name, model=model_name, strict=strict, env=WorkerCountEnv(self.registry, tally)
         )
@@ -151,12 +150,8 @@ class Ops:
             "vocabulary": result.vocabulary,
             "warnings": list(result.warnings),
         }
-        reply["cache"] = tally.to_wire() if tally.lookups else self._no_lookup()
+        reply["cache"] = tally.to_wire()
         return reply
-
-    def _no_lookup(self) -> dict:
-        """`cache` for a request that looked nothing up (an empty batch, an estimate-only count)."""
-        return {"l0": "miss" if self.registry.l0_enabled else "off", "l1_reused_tokens": 0}
 
     def op_models(self, p: dict, model_name: str | None, fmt: str) -> dict:
         return {"models": self.registry.describe()}

@@ -33,7 +33,6 @@ class Model:
     tokenizer: Tokenizer
     cache: TokenCache
     templates: ChatTemplates | None
-    cache_on: bool = False
     _renderer: ChatRenderer | None = field(default=None, repr=False)
 
     @property
@@ -62,29 +61,32 @@ class Model:
             "vocab_size": t.vocab_size,
             "special_tokens": sorted(t.special_tokens),
             "chat_template": self.templates is not None,
-            "cached": self.cache_on,
+            "cached": self.cache.enabled,
             "l1_bypass_reason": self.cache.l1_bypass_reason,
             "source": t.description,
         }
 
 
 class CacheTally:
-    """Folds the cache outcomes of several encodes into one reply `cache` map."""
+    """Folds the cache outcomes of a request's encodes into its reply `cache` map.
 
-    def __init__(self) -> None:
+    L0 is "off" when it is configured off (every model shares one cache config), "hit" only when
+    every lookup hit, and "miss" otherwise, also for a request that looked nothing up.
+    """
+
+    def __init__(self, l0_enabled: bool) -> None:
+        self.l0_enabled = l0_enabled
         self.lookups = 0
         self.l0_hits = 0
-        self.l0_off = False
         self.l1_reused = 0
 
     def add(self, outcome: CacheOutcome) -> None:
         self.lookups += 1
         self.l0_hits += outcome.l0 == "hit"
-        self.l0_off = self.l0_off or outcome.l0 == "off"
         self.l1_reused += outcome.l1_reused_tokens
 
     def to_wire(self) -> dict:
-        if self.l0_off:
+        if not self.l0_enabled:
             l0 = "off"
         else:
             l0 = "hit" if self.lookups and self.l0_hits == self.lookups else "miss"
@@ -104,8 +106,7 @@ def _load_model(spec: ModelSpec, cache_config: CacheConfig) -> Model:
         templates = discover_chat_templates(model_dir, tokenizer.tokenizer_config, spec.chat_template)
     except (OSError, ValueError) as e:
         raise BootError(f"model {spec.name!r}: cannot read its chat template: {e}") from e
-    cache_on = cache_config.l0_enabled or cache.l1_active
-    return Model(spec=spec, tokenizer=tokenizer, cache=cache, templates=templates, cache_on=cache_on)
+    return Model(spec=spec, tokenizer=tokenizer, cache=cache, templates=templates)
 
 
 class ModelRegistry:
