@@ -39,13 +39,14 @@ class Exit:
     name: str
     pid: int
     returncode: int
+    killed_as_hung: bool = False  # the supervisor killed it for not answering heartbeats
 
     @property
     def boot_error(self) -> bool:
         return self.returncode == EXIT_BOOT_ERROR
 
-    def describe(self, killed_as_hung: bool = False) -> str:
-        if killed_as_hung:
+    def describe(self) -> str:
+        if self.killed_as_hung:
             return f"worker {self.name} (pid {self.pid}) was killed for not answering heartbeats"
         if self.returncode < 0:
             sig = signal.Signals(-self.returncode).name
@@ -94,8 +95,7 @@ class Supervisor:
             if code is None:
                 continue
             del self.children[slot]
-            ex = Exit(slot, child.name, child.proc.pid, code)
-            hung = child.name in self.killed_as_hung
+            ex = Exit(slot, child.name, child.proc.pid, code, killed_as_hung=child.name in self.killed_as_hung)
             self.killed_as_hung.discard(child.name)
             exits.append(ex)
             if self.stopping:
@@ -103,7 +103,7 @@ class Supervisor:
             if ex.boot_error:
                 log.error("%s: it cannot load its tokenizers; not restarting it", ex.describe())
                 continue
-            log.error("%s; restarting it", ex.describe(hung))
+            log.error("%s; restarting it", ex.describe())
             lived = now - child.started
             delay = 0.0 if lived > STABLE_S else min(self.backoff.get(slot, BACKOFF_INIT_S / 2) * 2, BACKOFF_MAX_S)
             self.backoff[slot] = delay if delay else BACKOFF_INIT_S / 2

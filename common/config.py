@@ -160,9 +160,8 @@ def model_config_from_args(a: argparse.Namespace) -> ModelConfig:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise SystemExit(f"tokenbroker: model name given twice: {', '.join(dupes)}")
-    known = {m.name for m in models}
     for glob, target in a.tokenizer_map:
-        if target not in known and target not in names:
+        if target not in names:
             raise SystemExit(f"tokenbroker: --tokenizer-map {glob}={target}: no model is named {target!r}")
     cache = CacheConfig(
         l0_enabled=a.tokenizer_cache_enable_l0,
