@@ -84,9 +84,9 @@ class IoThread(threading.Thread):
         self.worker_name = name
         self.ready = ready
         self.shared = shared
-        self.results = ctx.socket(zmq.PULL)
-        self.results.bind(f"inproc://results-{id(self)}")
         self.results_endpoint = f"inproc://results-{id(self)}"
+        self.results = ctx.socket(zmq.PULL)
+        self.results.bind(self.results_endpoint)
         self.incarnation = uuid.uuid4().hex
         self.done = threading.Event()
         parent = os.environ.get(PARENT_PID_ENV, "")
@@ -222,15 +222,12 @@ def serve(config: WorkerConfig) -> int:
         if job is None:
             break
         if job.budget_ms and (time.monotonic() - job.received) * 1000 > job.budget_ms:
-            reply = None  # the broker has already answered `timeout`; don't spend the core on it
-        else:
-            reply = ops.handle(job.payload)
-        shared.served += 1
-        if reply is None:
+            # the broker answers `timeout` (now or already): don't spend the core on it
             out.send_multipart([job.job_id, b"", b"skipped"])
         else:
-            payload, outcome = reply
+            payload, outcome = ops.handle(job.payload)
             out.send_multipart([job.job_id, payload, b"" if outcome == "ok" else outcome.encode()])
+        shared.served += 1
         now = time.monotonic()
         if now - last_stats >= STATS_EVERY_S or shared.jobs.empty():
             shared.stats = registry.cache_stats()
