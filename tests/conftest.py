@@ -44,10 +44,12 @@ def tiktoken_cache_dir() -> Path:
 
 import contextlib
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import msgpack
@@ -147,6 +149,25 @@ class Conn:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+Samples = dict[tuple[str, frozenset], float]
+
+
+def scrape(url: str) -> Samples:
+    """One scrape of an exporter, parsed by prometheus-client: (name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 @contextlib.contextmanager

@@ -11,15 +11,12 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
-from conftest import Conn, start_broker, wait_until
+from conftest import Conn, Samples, free_port, scrape, start_broker, wait_until
 
 PROMTOOL = shutil.which("promtool")
 CACHE_FLAGS = ("--tokenizer-cache-enable-l0", "--tokenizer-cache-l0-max-entries", "2", "--tokenizer-cache-enable-l1")
@@ -31,21 +28,6 @@ AFFINITY = "metrics-session"  # pins the known traffic on one worker, whose cach
 COUNTERS = ("smg_tokenizer_cache_lookups_total", "smg_tokenizer_cache_evictions_total",
             "smg_tokenizer_cache_reused_bytes_total", "tokenbroker_requests_total",
             "tokenbroker_worker_restarts_total", "tokenbroker_worker_jobs_total")
-
-Samples = dict[tuple[str, frozenset], float]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(url: str) -> Samples:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples[(name, frozenset(labels.items()))]
@@ -80,8 +62,8 @@ def assert_not_lower(before: Samples, after: Samples) -> None:
 
 @pytest.fixture(scope="module")
 def pool():
-    backend = f"tcp://127.0.0.1:{_free_port()}"
-    broker = start_broker("--metrics-port", str(_free_port()), "--backend", backend, *CACHE_FLAGS, workers=2)
+    backend = f"tcp://127.0.0.1:{free_port()}"
+    broker = start_broker("--metrics-port", str(free_port()), "--backend", backend, *CACHE_FLAGS, workers=2)
     broker.backend = backend
     yield broker
     broker.stop()

@@ -5,19 +5,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-
-from conftest import BERT_DIR, Conn, serving, start_broker, wait_until
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import (
+    BERT_DIR,
+    Conn,
+    free_port,
+    scrape,
+    serving,
+    start_broker,
+    wait_until,
+)
 
 
 def _code(reply: dict) -> str | None:
@@ -137,7 +137,7 @@ def test_boot_failure_refuses_to_start_and_names_the_problem(tmp_path):
 
 
 def test_remote_worker_joins_over_tcp_serves_and_leaves_on_sigterm():
-    port = _free_port()
+    port = free_port()
     broker = start_broker("--backend", f"tcp://127.0.0.1:{port}", workers=0)
     c = Conn(broker.endpoint)
     worker = subprocess.Popen(
@@ -203,7 +203,7 @@ def test_every_request_is_answered_when_deadlines_race_the_worker():
 
 
 def test_a_remote_worker_leaving_under_load_takes_no_request_down_with_it():
-    port = _free_port()
+    port = free_port()
     with serving("--backend", f"tcp://127.0.0.1:{port}", workers=1) as (_, c):
         remote = subprocess.Popen([sys.executable, "-m", "tokenbroker", "worker", "--connect", f"tcp://127.0.0.1:{port}",
                                    "--name", "leaving"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -236,18 +236,10 @@ def test_local_workers_leave_when_their_broker_is_killed():
 
 def test_requests_that_time_out_in_the_queue_are_let_go_at_once():
     """With no worker to take them, timed-out queued requests must not stay held until the queue moves."""
-    from urllib.request import urlopen
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def held(url: str) -> float:
-        text = urlopen(url, timeout=5).read().decode()
-        return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                    if s.name == "tokenbroker_requests_held")
-
-    with serving("--metrics-port", str(_free_port()), workers=0) as (broker, c):
+    with serving("--metrics-port", str(free_port()), workers=0) as (broker, c):
         for i in range(300):
             c.send({"id": i, "op": "tokenize", "text": "x" * 1000, "deadline_ms": 1})
         codes = {c.recv()["error"]["code"] for _ in range(300)}
         assert codes == {"timeout"}
-        wait_until(lambda: held(broker.metrics) == 0, timeout=10, what="held requests to drop to zero")
+        wait_until(lambda: scrape(broker.metrics)[("tokenbroker_requests_held", frozenset())] == 0, timeout=10,
+                   what="held requests to drop to zero")

@@ -13,25 +13,17 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 from collections import Counter, defaultdict
 
 import pytest
-
-from conftest import Conn, start_broker, wait_until
+from conftest import Conn, free_port, start_broker, wait_until
 
 EOS = "<｜end▁of▁sentence｜>"  # marked special in the embedded tokenizer: L1 cuts prefixes after it
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
 WORDS = ("token cache prefix worker broker route model answer question latency throughput "
          "conversation system prompt user agent schedule batch").split()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _words(rng: random.Random, n_bytes: int) -> str:
@@ -67,7 +59,7 @@ def _pipeline(c: Conn, requests: list[dict], window: int) -> dict:
 
 
 def test_turns_of_a_conversation_stay_on_one_worker_local_or_remote_and_reuse_its_l1():
-    port = _free_port()
+    port = free_port()
     broker = start_broker("--backend", f"tcp://127.0.0.1:{port}", "--tokenizer-cache-enable-l1", workers=2)
     remote = subprocess.Popen(
         [sys.executable, "-m", "tokenbroker", "worker", "--connect", f"tcp://127.0.0.1:{port}",
@@ -182,7 +174,7 @@ def test_killed_worker_moves_only_its_own_keys():
 @pytest.mark.parametrize("spill_wait_ms,spreads", [(60000, False), (0, True)], ids=["waits", "spills"])
 def test_a_busy_preferred_worker_is_waited_for_only_as_long_as_spill_wait(spill_wait_ms, spreads):
     """Workers of capacity 1 are full but never over the load bound: the wait alone decides."""
-    port = _free_port()
+    port = free_port()
     broker = start_broker("--backend", f"tcp://127.0.0.1:{port}", "--spill-wait-ms", str(spill_wait_ms), workers=0)
     workers = [subprocess.Popen([sys.executable, "-m", "tokenbroker", "worker", "--connect", f"tcp://127.0.0.1:{port}",
                                  "--capacity", "1", "--name", f"cap1-{i}"],
