@@ -1,35 +1,45 @@
-"""The worker side of the broker: who is connected, what each holds, and when each was last heard.
+"""The worker side of the broker: who is connected, when each was last heard, and the frames.
 
 Heartbeats the Paranoid Pirate way: any frame from a worker is proof of life, and a worker silent
-for interval x liveness is gone. Unlike ppqueue, busy workers stay in the table with their jobs,
-so a worker's death hands its jobs back to the loop to be retried once.
+for interval x liveness is gone. What each worker holds is the dispatcher's (broker/dispatch.py);
+this module knows connections, not jobs.
+
+Every frame from a worker is untrusted: a malformed READY, HEARTBEAT, RESULTS or BYE is dropped
+and logged (at most once a second per kind), never raised, so no peer can stop the loop.
+Workers connect with identities ZeroMQ picks per connection and the ROUTER never hands an
+identity over, so no peer can take another's connection; a READY that names a live worker is
+refused unless it comes from the same process (its incarnation), which is how a reconnect looks.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import zmq
 
 from tokenbroker.common.protocol import (
     B_HEARTBEAT,
-    B_JOB,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
-    JOB_ID,
+    MAX_BATCH_JOBS,
     PROTOCOL_VERSION,
     W_BYE,
     W_HEARTBEAT,
     W_READY,
-    W_RESULT,
+    W_RESULTS,
     Ready,
-    pack,
-    unpack,
+    pack_jobs,
+    unpack_results,
 )
 
 log = logging.getLogger(__name__)
+
+MAX_REPORT_BYTES = 64 * 1024  # a heartbeat body larger than this is dropped
+BATCH_BYTES = 4 * 1024 * 1024  # payload bytes in one backend message, past its first job
 
 
 @dataclass
@@ -37,7 +47,6 @@ class WorkerState:
     wid: bytes
     ready: Ready
     expiry: float
-    jobs: set[int] = field(default_factory=set)
     draining: bool = False
     report: dict[str, Any] = field(default_factory=dict)  # the latest heartbeat body (cumulative counters, rss)
 
@@ -52,11 +61,9 @@ class Joined:
 
 
 @dataclass(frozen=True)
-class Result:
+class Results:
     wid: bytes
-    job_id: int
-    payload: bytes  # b"": the worker skipped it (its budget had passed)
-    outcome: str  # "ok" or the error code, so the broker counts outcomes without decoding replies
+    results: list[tuple[int, str, bytes]]  # (job id, outcome, reply payload; b"" when skipped)
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,23 @@ class Left:
     state: WorkerState | None = None  # set when the table already dropped it (a reconnect replaced it)
 
 
+class _RateLimitedLog:
+    """One warning per kind per second; the rest are counted and summed into the next one."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+
+    def warn(self, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -1e9) < 1.0:
+            self._quiet[kind] = self._quiet.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        quiet = self._quiet.pop(kind, 0)
+        log.warning(msg + (f" ({quiet} more like it not shown)" if quiet else ""), *args)
+
+
 class Backend:
     """Wraps the ROUTER socket workers connect to, and the table of workers."""
 
@@ -80,61 +104,101 @@ class Backend:
         self.sock = sock
         self.workers: dict[bytes, WorkerState] = {}
         self.next_beat = 0.0
+        self.dropped = 0  # malformed frames dropped since start
+        self._log = _RateLimitedLog()
 
     @staticmethod
     def expiry(now: float) -> float:
         return now + HEARTBEAT_INTERVAL_S * HEARTBEAT_LIVENESS
 
-    def receive(self, now: float) -> list[object]:
-        """Drain the socket; returns events in arrival order."""
+    def receive(self, now: float, limit: int = 1024) -> list[object]:
+        """Drain up to `limit` messages; returns events in arrival order."""
         events: list[object] = []
-        while True:
+        for _ in range(limit):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return events
-            events.extend(self._on_frame(frames, now))
+                break
+            try:
+                events.extend(self._on_frames(frames, now))
+            except Exception:  # a bug must cost this message, never the loop
+                log.exception("dropped a backend message that could not be handled")
+        return events
 
-    def _on_frame(self, frames: list[bytes], now: float) -> list[object]:
+    def _drop(self, kind: str, msg: str, *args: object) -> list[object]:
+        self.dropped += 1
+        self._log.warn(kind, msg, *args)
+        return []
+
+    def _on_frames(self, frames: list[bytes], now: float) -> list[object]:
         wid, kind, body = frames[0], frames[1] if len(frames) > 1 else b"", frames[2:]
         worker = self.workers.get(wid)
         if worker is not None:
             worker.expiry = self.expiry(now)
-        if kind == W_READY:
+        if kind == W_RESULTS:
+            if worker is None:
+                return []  # a worker we forgot (expired): it says READY again after reconnecting
             try:
-                ready = Ready.from_wire(body[0])
+                return [Results(wid, unpack_results(body))]
+            except ValueError as e:
+                return self._drop("results", "worker %s sent a malformed RESULTS: %s", worker.name, e)
+        if kind == W_HEARTBEAT:
+            if worker is None:
+                return []
+            if len(body) != 1 or len(body[0]) > MAX_REPORT_BYTES:
+                return self._drop("heartbeat", "worker %s sent a malformed HEARTBEAT (%d frames)", worker.name, len(body))
+            try:
+                report = msgpack.unpackb(body[0], raw=False, strict_map_key=False)
             except Exception as e:
-                log.warning("worker %r sent an unreadable READY: %s", wid, e)
-                return []
-            if ready.version != PROTOCOL_VERSION:
-                log.error("worker %s speaks protocol %d, this broker %d: ignored", ready.name, ready.version, PROTOCOL_VERSION)
-                return []
-            state = WorkerState(wid=wid, ready=ready, expiry=self.expiry(now))
-            self.workers[wid] = state
-            if worker is not None:  # it reconnected: the old incarnation and what it held are gone
-                return [Left(wid, "reconnected", worker), Joined(state)]
-            return [Joined(state)]
-        if worker is None:
-            return []  # a worker we forgot (expired): it will say READY again after reconnecting
-        if kind == W_RESULT and len(body) == 3:
-            return [Result(wid, JOB_ID.unpack(body[0])[0], body[1], body[2].decode() or "ok")]
-        if kind == W_HEARTBEAT and body:
-            try:
-                report = unpack(body[0])
-            except Exception:
-                return []
+                return self._drop("heartbeat", "worker %s sent an unreadable HEARTBEAT: %s", worker.name, e)
             if isinstance(report, dict):
                 worker.report = report  # replaced, never edited: the exporter's thread reads the old one
             return []
+        if kind == W_READY:
+            return self._on_ready(wid, worker, body, now)
         if kind == W_BYE:
+            if worker is None or worker.draining:
+                return []
             worker.draining = True
-            return [Left(wid, "leaving") if not worker.jobs else Draining(wid)]
-        log.warning("worker %s sent an unknown message kind %r", worker.name, kind)
-        return []
+            return [Draining(wid)]
+        if worker is None:
+            return self._drop("unknown", "an unknown peer sent a message of kind %r: dropped", kind[:8])
+        return self._drop("unknown", "worker %s sent an unknown message kind %r", worker.name, kind[:8])
 
-    def send_job(self, wid: bytes, job_id: int, budget_ms: int, payload: bytes) -> None:
-        self.sock.send_multipart([wid, B_JOB, JOB_ID.pack(job_id), pack({"budget_ms": budget_ms}), payload])
-        self.workers[wid].jobs.add(job_id)
+    def _on_ready(self, wid: bytes, worker: WorkerState | None, body: list[bytes], now: float) -> list[object]:
+        if len(body) != 1:
+            return self._drop("ready", "a READY with %d body frames: dropped", len(body))
+        try:
+            ready = Ready.from_wire(body[0])
+        except Exception as e:
+            return self._drop("ready", "a peer sent an unreadable READY: %s", e)
+        if ready.version != PROTOCOL_VERSION:
+            return self._drop("ready", "worker %s speaks protocol %d, this broker %d: refused",
+                              ready.name, ready.version, PROTOCOL_VERSION)
+        events: list[object] = []
+        for other in list(self.workers.values()):
+            if other.wid != wid and other.name == ready.name:
+                if not ready.incarnation or other.ready.incarnation != ready.incarnation:
+                    return self._drop("ready", "a peer claims the name %s of a connected worker: refused", ready.name)
+                # the same process on a new connection: the old one and what it held are gone
+                events.append(Left(other.wid, "reconnected", self.workers.pop(other.wid)))
+        state = WorkerState(wid=wid, ready=ready, expiry=self.expiry(now))
+        self.workers[wid] = state
+        if worker is not None:  # READY again on a live connection: it restarted its session
+            events.append(Left(wid, "reconnected", worker))
+        events.append(Joined(state))
+        return events
+
+    def send_jobs(self, wid: bytes, jobs: list[tuple[int, int, bytes]]) -> None:
+        """Send (job id, budget ms, payload) to `wid`, at most MAX_BATCH_JOBS and BATCH_BYTES a message."""
+        start = 0
+        while start < len(jobs):
+            end, size = start, 0
+            while end < len(jobs) and end - start < MAX_BATCH_JOBS and (end == start or size + len(jobs[end][2]) <= BATCH_BYTES):
+                size += len(jobs[end][2])
+                end += 1
+            self.sock.send_multipart([wid, *pack_jobs(jobs[start:end])], copy=size > 65536)
+            start = end
 
     def forget(self, wid: bytes) -> WorkerState | None:
         return self.workers.pop(wid, None)

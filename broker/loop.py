@@ -1,8 +1,10 @@
-"""The broker loop: poll, then frontend, backend, tick. Readable in one screen per verb.
+"""The broker loop: poll, then backend, frontend, tick. Readable in one screen per verb.
 
-Jobs flow client -> frontend -> pending queue -> router -> backend -> worker, and the worker's
-reply bytes go back untouched. Timers (heartbeats, deadlines, respawns) run only in `tick`, with
-one `now` read per turn. The loop never tokenizes and never decodes a reply.
+Jobs flow client -> frontend -> dispatcher (queue, placement) -> backend -> worker, and the
+worker's reply bytes go back untouched. Timers (heartbeats, deadlines, respawns, spills) run only
+in `tick`, with one `now` read per turn; the poll sleeps until a socket is readable or the next
+timer that can change something, so a loaded broker with no free worker does not spin. The loop
+never tokenizes and never decodes a reply.
 """
 
 from __future__ import annotations
@@ -12,18 +14,17 @@ import logging
 import signal
 import socket
 import time
-from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 import zmq
 
 from tokenbroker import __version__
 from tokenbroker.common.config import BrokerConfig
-from tokenbroker.common.protocol import MAX_DEADLINE_MS, Envelope, error_reply, ok_reply
+from tokenbroker.common.protocol import MAX_DEADLINE_MS, SKIPPED, error_reply, ok_reply
 
-from .affinity import RouteKey, route_key
-from .backend import Backend, Draining, Joined, Left, Result, WorkerState
+from .affinity import route_key
+from .backend import Backend, Draining, Joined, Left, Results, WorkerState
+from .dispatch import Dispatcher, Job
 from .frontend import Frontend
 from .metrics import PoolMetrics
 from .router import Router
@@ -32,26 +33,10 @@ from .supervisor import Supervisor
 log = logging.getLogger(__name__)
 
 FRONTEND_BATCH = 512  # messages read per turn, so the backend is never starved
+FRONTEND_BATCH_BYTES = 64 * 1024 * 1024  # and payload bytes read per turn
 PUBLISH_EVERY_S = 0.1  # the exporter's view of the pool is at most this old
-AFFINITY_LOOKAHEAD = 64  # queued jobs offered to their preferred worker before strict FIFO
 SHUTDOWN_GRACE_S = 10.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-@dataclass
-class Job:
-    job_id: int
-    envelope: Envelope
-    request_id: bytes  # the id's MessagePack bytes, echoed as they came
-    raw: bytes
-    op: str
-    route: RouteKey | None
-    received: float
-    deadline: float
-    queued: float = 0.0  # when it last entered the pending queue
-    attempts: int = 0
-    worker: bytes | None = None
-    answered: bool = False
 
 
 class BootFailed(Exception):
@@ -75,24 +60,25 @@ class Broker:
         self.metrics = metrics
         self.wakeup = wakeup
         self.router = Router(balance_factor=config.balance_factor, balance_margin=config.balance_margin)
-        self.jobs: dict[int, Job] = {}
-        self.pending: deque[Job] = deque()
-        self.waiting = 0  # jobs in `pending` still unanswered
-        self.stale_pending = 0  # answered jobs still in `pending`, dropped in batches
-        self.held_bytes = 0  # payload bytes of every job held (pending or in flight), bounded by max_pending_bytes
+        self.dispatcher = Dispatcher(self.router, spill_wait=config.spill_wait_ms / 1000,
+                                     worker_bytes=config.worker_max_bytes)
+        self.jobs: dict[int, Job] = {}  # every job held, queued or at a worker, until answered
+        self.held_bytes = 0  # payload bytes of every job held, bounded by max_pending_bytes
         self.deadlines: list[tuple[float, int]] = []
         self.next_id = 1
         self.stopping_since: float | None = None
         self.next_publish = 0.0
         self.poller = zmq.Poller()
-        self.poller.register(frontend.sock, zmq.POLLIN)
         self.poller.register(backend.sock, zmq.POLLIN)
         self.poller.register(wakeup.fileno(), zmq.POLLIN)
 
     # --- start -------------------------------------------------------------------------
 
     def wait_for_workers(self, count: int, timeout: float | None = None) -> None:
-        """Serve nothing until `count` workers said READY; a boot error aborts the start."""
+        """Serve nothing until `count` workers said READY; a boot error aborts the start.
+
+        The frontend is not polled yet: a client that connects early waits, and costs nothing.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.backend.ready_count() < count:
             events = dict(self.poller.poll(200))
@@ -100,8 +86,7 @@ class Broker:
             if self.wakeup.fileno() in events and self._stop_requested():
                 raise KeyboardInterrupt
             if self.backend.sock in events:
-                for event in self.backend.receive(now):
-                    self._on_backend(event, now)
+                self._on_backend(now)
             for ex in self.supervisor.reap(now):
                 if ex.boot_error:
                     raise BootFailed(f"{ex.describe()}: it could not load its tokenizers (its message is above)")
@@ -112,6 +97,7 @@ class Broker:
     # --- the loop ----------------------------------------------------------------------
 
     def run(self) -> None:
+        self.poller.register(self.frontend.sock, zmq.POLLIN)
         while True:
             now = time.monotonic()
             events = dict(self.poller.poll(self._timeout_ms(now)))
@@ -120,8 +106,7 @@ class Broker:
                 log.info("stopping: answering the %d requests held", len(self.jobs))
                 self.stopping_since = now
             if self.backend.sock in events:
-                for event in self.backend.receive(now):
-                    self._on_backend(event, now)
+                self._on_backend(now)
             if self.frontend.sock in events:
                 self._on_frontend(now)
             self.tick(now)
@@ -130,11 +115,13 @@ class Broker:
         self._fail_all("overloaded", "the broker is shutting down; retry on another broker")
 
     def _timeout_ms(self, now: float) -> int:
+        """Until the next timer that can change something: a heartbeat, a deadline or a spill."""
         nearest = self.backend.next_beat
         if self.deadlines:
             nearest = min(nearest, self.deadlines[0][0])
-        if self.pending and self.config.spill_wait_ms:
-            nearest = min(nearest, self.pending[0].queued + self.config.spill_wait_ms / 1000)
+        spill = self.dispatcher.next_timer(now)
+        if spill is not None:
+            nearest = min(nearest, spill)
         return max(0, min(1000, int((nearest - now) * 1000) + 1))
 
     def _stop_requested(self) -> bool:
@@ -147,7 +134,10 @@ class Broker:
     # --- frontend ----------------------------------------------------------------------
 
     def _on_frontend(self, now: float) -> None:
+        budget = FRONTEND_BATCH_BYTES
         for _ in range(FRONTEND_BATCH):
+            if budget <= 0:
+                return
             try:
                 incoming = self.frontend.receive()
             except zmq.Again:
@@ -155,38 +145,36 @@ class Broker:
             if incoming is None:
                 self.metrics.request_done("invalid", "bad_request", 0.0)
                 continue
-            request, envelope = incoming.request, incoming.envelope
-            if request.op == "ping":
-                self.frontend.reply(envelope, ok_reply(request.raw_id, {
+            peek, envelope = incoming.peek, incoming.envelope
+            budget -= len(peek.raw)
+            if peek.op == "ping":
+                self.frontend.reply(envelope, ok_reply(peek.raw_id, {
                     "workers": self.backend.ready_count(), "version": __version__, "worker": "broker"}))
-                self.metrics.request_done("ping", "ok", time.monotonic() - now)
+                self.metrics.request_done("ping", "ok", 0.0)
                 continue
-            full = self.waiting >= self.config.max_pending or \
-                self.held_bytes + len(incoming.raw) > self.config.max_pending_bytes
+            waiting = self.dispatcher.waiting
+            full = waiting >= self.config.max_pending or \
+                self.held_bytes + len(peek.raw) > self.config.max_pending_bytes
             if self.stopping_since is not None or full:
                 why = "the broker is shutting down" if self.stopping_since is not None else \
-                    f"{self.waiting} requests ({self.held_bytes} bytes) are queued " \
+                    f"{waiting} requests ({self.held_bytes} bytes) are queued " \
                     f"(--max-pending {self.config.max_pending}, --max-pending-bytes {self.config.max_pending_bytes})"
-                self.frontend.fail(envelope, request.raw_id, "overloaded", f"{why}; retry later")
-                self.metrics.request_done(request.op, "overloaded", 0.0)
+                self.frontend.fail(envelope, peek.raw_id, "overloaded", f"{why}; retry later")
+                self.metrics.request_done(peek.op, "overloaded", 0.0)
                 continue
-            timeout_ms = request.deadline_ms or self.config.request_timeout_ms
-            route = route_key(request) if self.config.routing == "affinity" else None
-            job = Job(self.next_id, envelope, request.raw_id, incoming.raw, request.op, route,
+            timeout_ms = peek.deadline_ms or self.config.request_timeout_ms
+            route = route_key(peek) if self.config.routing == "affinity" else None
+            job = Job(self.next_id, envelope, peek.raw_id, peek.raw, peek.op, route,
                       received=now, deadline=now + timeout_ms / 1000, queued=now)
             self.next_id += 1
-            self._hold(job)
-            self.pending.append(job)
-            self.waiting += 1
+            self.jobs[job.job_id] = job
+            self.held_bytes += len(job.raw)
+            self.dispatcher.enqueue(job)
             heapq.heappush(self.deadlines, (job.deadline, job.job_id))
 
     @staticmethod
     def _timeout_message(job: Job) -> str:
         return f"no worker answered within the deadline ({(job.deadline - job.received) * 1000:.0f} ms)"
-
-    def _hold(self, job: Job) -> None:
-        self.jobs[job.job_id] = job
-        self.held_bytes += len(job.raw)
 
     def _release(self, job: Job) -> None:
         if self.jobs.pop(job.job_id, None) is not None:
@@ -198,154 +186,118 @@ class Broker:
         self.metrics.request_done(job.op, outcome, now - job.received)
 
     def _fail(self, job: Job, code: str, message: str, now: float) -> None:
-        self._answer(job, error_reply(job.request_id, code, message), code, now)
+        self._answer(job, error_reply(job.raw_id, code, message), code, now)
 
     # --- dispatch ----------------------------------------------------------------------
 
     def _dispatch(self, now: float) -> None:
-        """Fill free worker slots: first the jobs whose preferred worker has room, then in order.
-
-        Without the first pass a saturated pool hands each freed slot to the queue's head,
-        whatever worker it prefers, and affinity is lost exactly when it matters most.
-        """
-        free = sum(w.ready.capacity - len(w.jobs) for w in self.backend.workers.values() if not w.draining)
-        if free <= 0 or not self.pending:
-            return
-        kept: list[Job] = []
-        spill_before = now - self.config.spill_wait_ms / 1000
-        for _ in range(min(AFFINITY_LOOKAHEAD, len(self.pending))):
-            if free <= 0:
-                break
-            job = self.pending.popleft()
-            if job.answered:
-                self._drop_stale(job)
-                continue
-            wid = self.router.pick(job.route, overflow=False)
-            if wid is None:
-                kept.append(job)
-            else:
-                self._send(job, wid, now)
-                free -= 1
-        self.pending.extendleft(reversed(kept))
-        while self.pending and free > 0:
-            job = self.pending[0]
-            if job.answered:
-                self.pending.popleft()
-                self._drop_stale(job)
-                continue
-            if job.queued > spill_before:
-                return  # it may still wait for its preferred worker (and the queue is in arrival order)
-            wid = self.router.pick(job.route)
-            if wid is None:
-                return
-            self.pending.popleft()
-            self._send(job, wid, now)
-            free -= 1
-
-    def _send(self, job: Job, wid: bytes, now: float) -> None:
-        self.waiting -= 1
-        job.worker = wid
-        job.attempts += 1
-        budget_ms = min(MAX_DEADLINE_MS, max(1, int((job.deadline - now) * 1000)))
-        try:
-            self.backend.send_job(wid, job.job_id, budget_ms, job.raw)
-        except Exception:  # a bug must cost this request, never the loop
-            log.exception("could not send job of request id=%r to %r", job.request_id, wid)
-            self.router.finished(wid)
-            self._release(job)
-            self._fail(job, "internal", "the broker could not hand the request to a worker", now)
-
-    def _drop_stale(self, job: Job) -> None:
-        """An answered job met at the queue's head: it was released when it was answered."""
-        self._release(job)
-        self.stale_pending = max(0, self.stale_pending - 1)
-
-    def _requeue(self, job: Job) -> None:
-        job.worker = None  # its queue time stays: its worker is gone, so it may go anywhere at once
-        self.pending.appendleft(job)
-        self.waiting += 1
+        for wid, batch in self.dispatcher.assign(now):
+            jobs = [(job.job_id, min(MAX_DEADLINE_MS, max(1, int((job.deadline - now) * 1000))), job.raw) for job in batch]
+            try:
+                self.backend.send_jobs(wid, jobs)
+            except Exception:  # a bug must cost these requests, never the loop
+                log.exception("could not send %d jobs to a worker", len(batch))
+                for job in batch:
+                    self.dispatcher.finish(wid, job.job_id)
+                    self._release(job)
+                    self._fail(job, "internal", "the broker could not hand the request to a worker", now)
 
     # --- backend -----------------------------------------------------------------------
 
-    def _on_backend(self, event: object, now: float) -> None:
-        if isinstance(event, Joined):
-            w = event.worker
-            log.info("worker %s joined (pid %d on %s, capacity %d)", w.name, w.ready.pid, w.ready.host, w.ready.capacity)
-            self.router.add_worker(w.wid, w.ready.capacity)
-            self.metrics.worker_joined(w.name)
-        elif isinstance(event, Result):
-            self._on_result(event, now)
-        elif isinstance(event, Left):
-            self._worker_gone(event.wid, event.why, now, event.state)
-        elif isinstance(event, Draining):
-            self.router.remove_worker(event.wid)  # nothing new goes to it; its jobs finish there
+    def _on_backend(self, now: float) -> None:
+        for event in self.backend.receive(now):
+            try:
+                if isinstance(event, Results):
+                    self._on_results(event, now)
+                elif isinstance(event, Joined):
+                    w = event.worker
+                    log.info("worker %s joined (pid %d on %s, capacity %d)", w.name, w.ready.pid, w.ready.host, w.ready.capacity)
+                    self.dispatcher.add_worker(w.wid, w.ready.capacity)
+                    self.metrics.worker_joined(w.name)
+                elif isinstance(event, Left):
+                    self._worker_gone(event.wid, event.why, now, event.state)
+                elif isinstance(event, Draining):
+                    self.dispatcher.drain_worker(event.wid)  # nothing new goes to it; its jobs finish there
+                    self._gone_if_idle(event.wid, now)
+            except Exception:  # a bug must cost this event, never the loop
+                log.exception("could not handle a backend event %s", type(event).__name__)
 
-    def _on_result(self, result: Result, now: float) -> None:
-        worker = self.backend.workers.get(result.wid)
-        job = self.jobs.get(result.job_id)
-        if worker is None or job is None or job.worker != result.wid:
-            return  # a late answer for a job already retried elsewhere or answered
-        worker.jobs.discard(job.job_id)
-        self.router.finished(result.wid)
-        self._release(job)
-        if not job.answered:
-            if result.payload:
-                self._answer(job, result.payload, result.outcome, now)
-            else:  # the worker saw the budget run out a moment before the broker's own timer
+    def _on_results(self, event: Results, now: float) -> None:
+        for job_id, outcome, payload in event.results:
+            job = self.dispatcher.finish(event.wid, job_id)
+            if job is None:
+                continue  # a late answer for a job already retried elsewhere, or not this worker's
+            self._release(job)
+            if job.answered:
+                continue
+            if outcome == SKIPPED or not payload:  # the worker saw the budget run out a moment before the broker
                 self._fail(job, "timeout", self._timeout_message(job), now)
-        if worker.draining and not worker.jobs:
-            self._worker_gone(result.wid, "left", now)
+            else:
+                self._answer(job, payload, outcome, now)
+        self._gone_if_idle(event.wid, now)
+
+    def _gone_if_idle(self, wid: bytes, now: float) -> None:
+        state = self.backend.workers.get(wid)
+        if state is not None and state.draining and not self.dispatcher.holds(wid):
+            self._worker_gone(wid, "left", now)
 
     def _worker_gone(self, wid: bytes, why: str, now: float, state: WorkerState | None = None) -> None:
         state = state or self.backend.forget(wid)
         if state is None:
             return
-        self.router.remove_worker(wid)
+        lost = self.dispatcher.remove_worker(wid)
         self.metrics.worker_left(state.name, state.report)
-        lost = [self.jobs[j] for j in state.jobs if j in self.jobs]
         if lost or why not in ("leaving", "left"):
             log.warning("worker %s is gone (%s) holding %d jobs", state.name, why, len(lost))
         for job in sorted(lost, key=lambda j: j.job_id, reverse=True):
             if job.answered:
-                self._release(job)
-            elif job.attempts >= 2:
+                continue
+            if job.attempts >= 2:
                 self._release(job)
                 self._fail(job, "worker_failed", "two workers died while holding this request", now)
             else:
-                self._requeue(job)
+                self.dispatcher.requeue(job)
 
     # --- timers ------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
         for ex in self.supervisor.reap(now):
-            self._worker_gone(ex.name.encode(), ex.describe(), now)
+            gone = next((w.wid for w in self.backend.workers.values() if w.name == ex.name), None)
+            if gone is not None:
+                self._worker_gone(gone, ex.describe(), now)
         self.supervisor.tick(now)
         for left in self.backend.tick(now):
-            self.supervisor.kill(left.wid.decode(errors="replace"))
+            state = self.backend.workers.get(left.wid)
+            if state is not None:
+                self.supervisor.kill(state.name)
             self._worker_gone(left.wid, left.why, now)
-        while self.deadlines and self.deadlines[0][0] <= now:
-            _, job_id = heapq.heappop(self.deadlines)
-            job = self.jobs.get(job_id)
-            if job is None or job.answered:
-                continue
-            self._fail(job, "timeout", self._timeout_message(job), now)
-            if job.worker is None:  # still queued: let go of it now, not when the queue next moves
-                self.waiting -= 1
-                self._release(job)
-                job.raw = b""
-                self.stale_pending += 1
-        if self.stale_pending > max(64, len(self.pending) // 2):
-            self.pending = deque(j for j in self.pending if not j.answered)
-            self.stale_pending = 0
+        self._expire(now)
         self._dispatch(now)
         if now >= self.next_publish:
             self.metrics.publish(self.snapshot())
             self.next_publish = now + PUBLISH_EVERY_S
 
+    def _expire(self, now: float) -> None:
+        """Answer `timeout` for every job past its deadline; queued ones let go of their payload now."""
+        deadlines = self.deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, job_id = heapq.heappop(deadlines)
+            job = self.jobs.get(job_id)
+            if job is None or job.answered:
+                continue
+            self._fail(job, "timeout", self._timeout_message(job), now)
+            if job.worker is None:  # still queued: it leaves the queue's count and memory now
+                self.dispatcher.expired(job)
+                self._release(job)
+                job.raw = b""
+        if len(deadlines) > 2 * len(self.jobs) + 1024:  # entries of answered jobs: drop them
+            self.deadlines = [(j.deadline, j.job_id) for j in self.jobs.values() if not j.answered]
+            heapq.heapify(self.deadlines)
+
     def snapshot(self) -> dict:
         """What the exporter shows, copied so the HTTP thread never reads live structures."""
         return {
-            "queue_depth": self.waiting,
+            "queue_depth": self.dispatcher.waiting,
             "held": len(self.jobs),
             "restarts": self.supervisor.restarts,
             "workers": [
@@ -353,8 +305,8 @@ class Broker:
                     "name": w.name,
                     "host": w.ready.host,
                     "pid": w.ready.pid,
-                    "state": "draining" if w.draining else ("busy" if w.jobs else "idle"),
-                    "in_flight": len(w.jobs),  # what it holds, draining or not (the router forgets a draining one)
+                    "state": "draining" if w.draining else ("busy" if self.dispatcher.holds(w.wid) else "idle"),
+                    "in_flight": self.dispatcher.holds(w.wid),
                     "capacity": w.ready.capacity,
                     "report": w.report,
                 }
@@ -372,8 +324,8 @@ class Broker:
                 self._fail(job, code, message, now)
         self.jobs.clear()
         self.held_bytes = 0
-        self.pending.clear()
-        self.waiting = 0
+        self.dispatcher.pending.clear()
+        self.dispatcher.waiting = 0
 
 
 def install_signal_wakeup() -> tuple[socket.socket, Callable[[], None]]:

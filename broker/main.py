@@ -44,8 +44,8 @@ def serve(config: BrokerConfig) -> int:
     frontend_endpoint = _bind(frontend_sock, config.frontend, "frontend")
     backend_sock = ctx.socket(zmq.ROUTER)
     backend_sock.setsockopt(zmq.LINGER, 0)
-    # A worker that reconnects keeps its identity: the new connection takes it over from the dead one.
-    backend_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # No ROUTER_HANDOVER: a connection's identity is its own (workers let ZeroMQ pick one per
+    # connection), so no peer can take over another's jobs by claiming its identity.
     backend_endpoint = config.backend
     if backend_endpoint is None:
         runtime_dir = tempfile.mkdtemp(prefix="tokenbroker-")

@@ -14,8 +14,10 @@ import time
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from bisect import bisect_left
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from tokenbroker.common.process import resident_bytes
 
@@ -115,6 +117,7 @@ class PoolCollector:
         yield from _pool_families(snapshot, workers, totals)
         yield from _process_families(workers, self._metrics.started)
         yield from _router_families(snapshot.get("router") or {})
+        yield from self._metrics.request_families()
 
 
 def _layer_sizes(workers: list[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
@@ -206,10 +209,10 @@ class PoolMetrics:
 
     def __init__(self, *, retired_keep: int = RETIRED_KEEP) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("tokenbroker_requests", "Requests answered, by op and outcome (ok or the error code)",
-                                ["op", "outcome"], registry=self.registry)
-        self.latency = Histogram("tokenbroker_request_duration_seconds", "Time from receipt to reply, by op",
-                                 ["op"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        # Plain counts, bumped by the loop per request (a label lookup per request costs more than
+        # the rest of the hop); scrapes copy them, which the GIL makes atomic for dicts of ints.
+        self._requests: dict[tuple[str, str], int] = {}
+        self._latency: dict[str, list[float]] = {}  # op -> per-bucket counts (not cumulative), then the sum
         self.started = time.time()
         self._snapshot: dict = {}
         self._ledger = Ledger(retired_keep)
@@ -220,8 +223,33 @@ class PoolMetrics:
     # --- called by the loop ------------------------------------------------------------
 
     def request_done(self, op: str, outcome: str, seconds: float) -> None:
-        self.requests.labels(op, outcome).inc()
-        self.latency.labels(op).observe(max(0.0, seconds))
+        """One request answered. `op` and `outcome` come from closed sets (the ops, the error codes)."""
+        key = (op, outcome)
+        self._requests[key] = self._requests.get(key, 0) + 1
+        counts = self._latency.get(op)
+        if counts is None:
+            counts = self._latency[op] = [0.0] * (len(LATENCY_BUCKETS) + 1)
+        seconds = max(0.0, seconds)
+        counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        counts[-1] += seconds
+
+    def request_families(self) -> Iterator[Metric]:
+        """Requests and their latency, from the plain counts (called on the HTTP thread)."""
+        requests = CounterMetricFamily("tokenbroker_requests", "Requests answered, by op and outcome (ok or the error code)",
+                                       labels=["op", "outcome"])
+        for (op, outcome), n in sorted(self._requests.copy().items()):
+            requests.add_metric([op, outcome], n)
+        yield requests
+        latency = HistogramMetricFamily("tokenbroker_request_duration_seconds", "Time from receipt to reply, by op",
+                                        labels=["op"])
+        for op, counts in sorted(self._latency.copy().items()):
+            counts = list(counts)
+            cumulative, buckets = 0.0, []
+            for bound, n in zip(LATENCY_BUCKETS, counts):
+                cumulative += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            latency.add_metric([op], buckets, sum_value=counts[-1])
+        yield latency
 
     def worker_joined(self, name: str) -> None:
         """Nothing to do: a worker's series appear with the next snapshot."""

@@ -60,6 +60,7 @@ class _Worker:
     salt: int  # this id's rendezvous salt, hashed once
     in_flight: int = 0
     alive: bool = True
+    blocked: bool = False  # full by another measure than job count (the dispatcher's payload bytes)
 
 
 class Router:
@@ -103,6 +104,12 @@ class Router:
         self._total -= w.in_flight
         w.in_flight = 0
 
+    def block(self, wid: bytes, blocked: bool) -> None:
+        """Take `wid` out of (or back into) the picks while it is full by the caller's own measure."""
+        w = self._workers.get(wid)
+        if w is not None:
+            w.blocked = blocked
+
     def finished(self, wid: bytes) -> None:
         """One job of `wid` is done (answered, failed or timed out). Unknown ids are ignored."""
         w = self._workers.get(wid)
@@ -118,7 +125,7 @@ class Router:
         With `overflow=False`, also None when the key's preferred worker is full but within the
         load bound (the job would rather wait for it); an overloaded one is still spilled from.
         """
-        free = [w for w in self._workers.values() if w.in_flight < w.capacity]
+        free = [w for w in self._workers.values() if w.in_flight < w.capacity and not w.blocked]
         if not free:
             self._stats["full"] += 1
             return None
@@ -169,7 +176,7 @@ class Router:
         hit = self._lookup(key)
         home = hit or self._rendezvous(key.key, self._workers.values())
         within = home.in_flight + 1 <= self.bound()
-        if within and home.in_flight < home.capacity:
+        if within and home.in_flight < home.capacity and not home.blocked:
             self._stats["affinity_hits" if hit else "rendezvous"] += 1
             return home
         if within and not overflow:

@@ -10,6 +10,7 @@ ERROR_CODES = frozenset(
         "too_large",
         "template_error",
         "invalid_input",
+        "forbidden",
         "overloaded",
         "timeout",
         "worker_failed",

@@ -21,17 +21,34 @@ TOKENS_FORMATS = frozenset({"list", "u32"})
 
 # --- broker <-> worker (backend) ---------------------------------------------------------
 # worker -> broker: [kind, body...]; broker -> worker: [kind, body...]. Any frame is proof of life.
+# Jobs travel in batches: one message carries up to a batch of client payloads for one worker, and
+# one message carries back the replies of the jobs the worker finished together. The headers are
+# fixed-size binary records, so neither side builds a Python object per job to frame it.
 W_READY = b"R"  # [R, msgpack(Ready)]
 W_HEARTBEAT = b"H"  # [H, msgpack(stats)]
-W_RESULT = b"D"  # [D, job_id(8 bytes), reply payload (msgpack, sent to the client as is), outcome code or b""]
-W_BYE = b"B"  # [B]: the worker leaves on purpose (SIGTERM); its held jobs are requeued
-B_JOB = b"J"  # [J, job_id, msgpack({"budget_ms": int}), client payload]
+W_RESULTS = b"D"  # [D, RESULT * n, reply payload * n]: replies go to the clients as they are
+W_BYE = b"B"  # [B]: the worker leaves on purpose (SIGTERM); it finishes what it holds, takes nothing new
+B_JOBS = b"J"  # [J, JOB * n, client payload * n]
 B_HEARTBEAT = b"h"  # [h]
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_LIVENESS = 5  # a worker silent for interval * liveness is gone
 
-JOB_ID = struct.Struct("<Q")
+JOB = struct.Struct("<QI")  # job id, budget in ms (the time left of the request's deadline)
+RESULT = struct.Struct("<QB")  # job id, outcome (an index into OUTCOMES)
+
+# What a worker says of each job, so the broker counts outcomes without decoding replies. A
+# worker's byte is an index here; anything else reads as "internal", so no peer can invent labels.
+OUTCOMES: tuple[str, ...] = (
+    "ok", "skipped", "bad_request", "unknown_op", "unknown_model", "too_large", "template_error",
+    "invalid_input", "forbidden", "overloaded", "timeout", "worker_failed", "internal",
+)
+OUTCOME_INDEX = {name: i for i, name in enumerate(OUTCOMES)}
+SKIPPED = "skipped"  # the worker did not run the job: its budget had passed (the broker answers timeout)
+
+MAX_BATCH_JOBS = 64  # jobs in one backend message, at most
+MAX_CAPACITY = 4096  # the most jobs a worker may ask to hold; a READY beyond it is refused
+MAX_NAME_CHARS = 128  # a worker's name, as shown in replies and metric labels
 
 # Deadlines beyond this (about 24.8 days) are taken as this: any int > 0 is valid on the wire.
 MAX_DEADLINE_MS = 2**31 - 1
@@ -41,6 +58,48 @@ PARENT_PID_ENV = "TOKENBROKER_PARENT_PID"
 
 # Worker process exit code when its tokenizers cannot be loaded: not a crash, never respawned.
 EXIT_BOOT_ERROR = 3
+
+
+def pack_jobs(jobs: list[tuple[int, int, bytes]]) -> list[bytes]:
+    """A B_JOBS message for (job id, budget ms, payload) triples.
+
+    >>> frames = pack_jobs([(7, 100, b"a"), (8, 200, b"bc")])
+    >>> unpack_jobs(frames[1:])
+    [(7, 100, b'a'), (8, 200, b'bc')]
+    """
+    header = b"".join(JOB.pack(job_id, budget) for job_id, budget, _ in jobs)
+    return [B_JOBS, header, *(payload for _, _, payload in jobs)]
+
+
+def unpack_jobs(body: list[bytes]) -> list[tuple[int, int, bytes]]:
+    """The jobs of a B_JOBS body; ValueError when the header and the payload count disagree."""
+    header, payloads = body[0] if body else b"", body[1:]
+    if len(header) != JOB.size * len(payloads) or not payloads:
+        raise ValueError(f"a job batch of {len(payloads)} payloads has a {len(header)}-byte header")
+    return [(*JOB.unpack_from(header, i * JOB.size), payload) for i, payload in enumerate(payloads)]
+
+
+def pack_results(results: list[tuple[bytes, str, bytes]]) -> list[bytes]:
+    """A W_RESULTS message for (job id as received, outcome, reply payload) triples."""
+    header = b"".join(RESULT.pack(job_id, OUTCOME_INDEX.get(outcome, OUTCOME_INDEX["internal"]))
+                      for job_id, outcome, _ in results)
+    return [W_RESULTS, header, *(payload for _, _, payload in results)]
+
+
+def unpack_results(body: list[bytes]) -> list[tuple[int, str, bytes]]:
+    """The results of a W_RESULTS body; ValueError when it is malformed. Unknown outcomes read "internal".
+
+    >>> unpack_results(pack_results([(3, "ok", b"r"), (4, "nonsense", b"s")])[1:])
+    [(3, 'ok', b'r'), (4, 'internal', b's')]
+    """
+    header, payloads = body[0] if body else b"", body[1:]
+    if len(header) != RESULT.size * len(payloads) or not payloads:
+        raise ValueError(f"a result batch of {len(payloads)} payloads has a {len(header)}-byte header")
+    out = []
+    for i, payload in enumerate(payloads):
+        job_id, code = RESULT.unpack_from(header, i * RESULT.size)
+        out.append((job_id, OUTCOMES[code] if code < len(OUTCOMES) else "internal", payload))
+    return out
 
 
 def pack(obj: Any) -> bytes:
@@ -187,6 +246,19 @@ def parse_request(data: bytes) -> Request:
     )
 
 
+LOGGED_ID_BYTES = 64  # a request id in a log line is cut to this many bytes
+
+
+def logged_id(raw_id: bytes) -> str:
+    """A request id for a log line: its MessagePack bytes in hex, cut short (ids are client data).
+
+    >>> logged_id(b"\\x05"), logged_id(b"x" * 100)[-13:]
+    ('05', '...(100 bytes)')
+    """
+    head = raw_id[:LOGGED_ID_BYTES].hex()
+    return head + (f"...({len(raw_id)} bytes)" if len(raw_id) > LOGGED_ID_BYTES else "")
+
+
 def reply(raw_request_id: bytes, fields: dict) -> bytes:
     """A reply map: `id` with the request's id bytes as they came, then `fields`."""
     packer = msgpack.Packer(use_bin_type=True)
@@ -210,7 +282,7 @@ def ok_reply(raw_request_id: bytes, fields: dict) -> bytes:
 
 @dataclass(frozen=True)
 class Ready:
-    """What a worker says once its tokenizers are loaded."""
+    """What a worker says once its tokenizers are loaded. Untrusted: `from_wire` checks every field."""
 
     version: int
     capacity: int
@@ -218,18 +290,34 @@ class Ready:
     pid: int
     host: str
     models: list[str]
+    incarnation: str = ""  # random per worker process: a reconnect of the same process keeps it
 
     def to_wire(self) -> bytes:
         return pack(self.__dict__)
 
     @classmethod
     def from_wire(cls, data: bytes) -> "Ready":
-        d = unpack(data)
+        """ValueError naming the field when anything is missing, mistyped or out of range."""
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if not isinstance(d, dict):
+            raise ValueError(f"READY must be a map, got {type_name(d)}")
+
+        def field(name: str, kind: type, check=lambda v: True, why: str = "") -> Any:
+            value = d.get(name)
+            if not _is(value, kind) or not check(value):
+                raise ValueError(f"READY field {name!r} must be {_TYPE_NAMES[kind]}{why}, got {value!r:.80}")
+            return value
+
+        models = field("models", list, lambda v: len(v) <= 4096 and all(isinstance(m, str) and 0 < len(m) <= 1024 for m in v),
+                       " of at most 4096 names")
         return cls(
-            version=int(d["version"]),
-            capacity=int(d["capacity"]),
-            name=str(d["name"]),
-            pid=int(d["pid"]),
-            host=str(d["host"]),
-            models=list(d.get("models", [])),
+            version=field("version", int),
+            capacity=field("capacity", int, lambda v: 1 <= v <= MAX_CAPACITY, f" in 1..{MAX_CAPACITY}"),
+            name=field("name", str, lambda v: 0 < len(v) <= MAX_NAME_CHARS and v.isprintable(),
+                       f" of 1..{MAX_NAME_CHARS} printable characters"),
+            pid=field("pid", int, lambda v: 0 <= v < 2**63),
+            host=field("host", str, lambda v: len(v) <= 255 and v.isprintable(), " of at most 255 printable characters"),
+            models=list(models),
+            incarnation=field("incarnation", str, lambda v: len(v) <= 64, " of at most 64 characters")
+            if d.get("incarnation") is not None else "",
         )

@@ -11,14 +11,15 @@ from hypothesis import strategies as st
 
 from tokenbroker.broker import affinity
 from tokenbroker.broker.affinity import BOUNDARIES, MAX_BLOCKS, MAX_HASHED_BYTES, RouteKey, route_key
-from tokenbroker.common.protocol import Request
+from tokenbroker.broker.frontend import Peek, peek_request
+from tokenbroker.common.protocol import pack
 
 SYSTEM = "You are a careful assistant. Answer in full sentences and cite the documents you use. " * 40
 
 
-def request(op: str, model: str | None = None, affinity_field: str | None = None, **fields: Any) -> Request:
-    return Request(id=1, op=op, model=model, deadline_ms=None, affinity=affinity_field, tokens_format="list",
-                   payload={"op": op, **fields})
+def request(op: str, model: str | None = None, affinity_field: str | None = None, **fields: Any) -> Peek:
+    """The request as the broker's frontend reads it off the wire."""
+    return peek_request(pack({"id": 1, "op": op, "model": model, "affinity": affinity_field, **fields}))
 
 
 def tokenize_key(text: Any, model: str | None = None) -> RouteKey:
@@ -222,8 +223,8 @@ def test_chat_is_hashed_once_per_message(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20) | st.binary(max_size=8),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5) | st.integers(), children, max_size=4),
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20) | st.binary(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5) | st.integers(-(2**63), 2**64 - 1), children, max_size=4),
     max_leaves=12,
 )
 

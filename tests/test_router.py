@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from tokenbroker.broker.affinity import RouteKey, route_key
 from tokenbroker.broker.router import Router
-from tokenbroker.common.protocol import Request
+from tokenbroker.broker.frontend import peek_request
+from tokenbroker.common.protocol import pack
 
 WORKERS = [b"w0", b"w1", b"w2", b"w3"]
 
@@ -25,13 +26,13 @@ def router(workers: list[bytes] = WORKERS, capacity: int = 4, **options: object)
 
 
 def session(name: str) -> RouteKey:
-    key = route_key(Request(None, "tokenize", None, None, name, "list", {"text": "x"}))
+    key = route_key(peek_request(pack({"op": "tokenize", "affinity": name, "text": "x"})))
     assert key is not None
     return key
 
 
 def text_key(text: str) -> RouteKey:
-    key = route_key(Request(None, "tokenize", "m", None, None, "list", {"text": text}))
+    key = route_key(peek_request(pack({"op": "tokenize", "model": "m", "text": text})))
     assert key is not None
     return key
 

@@ -1,9 +1,15 @@
-"""The worker process: a DEALER on the broker's backend, one I/O thread and one compute thread.
+"""The worker process: one DEALER on the broker's backend, owned by the thread that computes.
 
-The I/O thread owns the socket: it says READY, takes jobs into a queue, sends results and
-heartbeats on time even while a long job runs, and reconnects with doubling backoff (the
-Paranoid Pirate worker) when the broker goes silent. The main thread only computes.
-SIGTERM: say BYE (no new jobs), finish the jobs held, send their results, leave.
+The main thread polls the socket, takes every job that has arrived (the broker sends them in
+batches), runs them, and sends their results in one message: one hand-off per batch, no queue
+between threads. Heartbeats go out between batches; during a long batch a small beat thread
+borrows the socket under a lock (the main thread holds it whenever it touches the socket, and
+never while it computes), so a busy worker still says it is alive, but only while the batch is
+within its budget: a compute thread stuck past its jobs' deadlines stops heartbeating, and the
+broker replaces the worker (the watchdog).
+
+The broker going silent makes the worker reconnect with doubling backoff (the Paranoid Pirate
+worker). SIGTERM: say BYE, take what the broker sent before it read the BYE, finish, leave.
 """
 
 from __future__ import annotations
@@ -16,16 +22,13 @@ os.environ.setdefault("RAYON_RS_NUM_CPUS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import logging
-import queue
 import signal
 import socket
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
-import msgpack
 import zmq
 
 from tokenbroker.common.config import WorkerConfig
@@ -33,7 +36,7 @@ from tokenbroker.common.errors import BootError
 from tokenbroker.common.process import resident_bytes
 from tokenbroker.common.protocol import (
     B_HEARTBEAT,
-    B_JOB,
+    B_JOBS,
     EXIT_BOOT_ERROR,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
@@ -42,63 +45,45 @@ from tokenbroker.common.protocol import (
     W_BYE,
     W_HEARTBEAT,
     W_READY,
-    W_RESULT,
     Ready,
     pack,
+    pack_results,
+    unpack_jobs,
 )
 
-from .ops import Ops
+from .ops import Ops, PendingJob
 from .registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 
 RECONNECT_INIT_S = 0.1
 RECONNECT_MAX_S = 5.0
-STATS_EVERY_S = 0.2
+MAX_ROUND_JOBS = 256  # jobs run in one round before their results go out
+WATCHDOG_GRACE_S = 2.0  # a round may run this long past its jobs' budgets before heartbeats stop
 
 
-@dataclass
-class Job:
-    job_id: bytes
-    budget_ms: int
-    received: float
-    payload: bytes
-
-
-@dataclass
-class Shared:
-    """What the two threads share; each field has one writer."""
-
-    jobs: "queue.Queue[Job | None]" = field(default_factory=queue.Queue)
-    stats: dict = field(default_factory=dict)  # written by the compute thread
-    served: int = 0  # written by the compute thread
-    leaving: threading.Event = field(default_factory=threading.Event)  # set on SIGTERM or SIGINT
-    held: int = 0  # jobs received and not yet answered; written by the I/O thread only
-
-
-class IoThread(threading.Thread):
-    def __init__(self, ctx: zmq.Context, config: WorkerConfig, name: str, ready: Ready, shared: Shared) -> None:
-        super().__init__(name="tokenbroker-io", daemon=True)
+class Worker:
+    def __init__(self, ctx: zmq.Context, config: WorkerConfig, ready: Ready, ops: Ops, registry: ModelRegistry) -> None:
         self.ctx = ctx
         self.config = config
-        self.worker_name = name
         self.ready = ready
-        self.shared = shared
-        self.results_endpoint = f"inproc://results-{id(self)}"
-        self.results = ctx.socket(zmq.PULL)
-        self.results.bind(self.results_endpoint)
-        self.incarnation = uuid.uuid4().hex
-        self.done = threading.Event()
+        self.ops = ops
+        self.registry = registry
+        self.lock = threading.Lock()  # held by whoever touches `sock`
+        self.sock: zmq.Socket | None = None
+        self.leaving = threading.Event()  # set on SIGTERM or SIGINT
+        self.served = 0
+        self.stats: dict = registry.cache_stats()
+        self.next_beat = 0.0
+        self.round_until: float | None = None  # while a round computes: when it is overdue
+        self.stuck_logged = False
         parent = os.environ.get(PARENT_PID_ENV, "")
         self.parent_pid = int(parent) if parent.isdigit() else None
 
-    def orphaned(self) -> bool:
-        """A local worker outlives a killed broker otherwise (it would reconnect forever)."""
-        return self.parent_pid is not None and os.getppid() != self.parent_pid
+    # --- the socket ----------------------------------------------------------------------
 
     def _connect(self) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.worker_name.encode())
+        sock = self.ctx.socket(zmq.DEALER)  # ZeroMQ picks the identity: one per connection
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(self.config.connect)
         sock.send_multipart([W_READY, self.ready.to_wire()])
@@ -106,83 +91,117 @@ class IoThread(threading.Thread):
 
     def _heartbeat(self) -> list[bytes]:
         body = {
-            "incarnation": self.incarnation,
+            "incarnation": self.ready.incarnation,
             "pid": os.getpid(),
             "rss": resident_bytes(),
-            "served": self.shared.served,
-            "caches": self.shared.stats,
+            "served": self.served,
+            "caches": self.stats,
         }
         return [W_HEARTBEAT, pack(body)]
 
-    def run(self) -> None:
-        sock = self._connect()
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self.results, zmq.POLLIN)
-        interval = HEARTBEAT_INTERVAL_S
-        liveness = HEARTBEAT_LIVENESS
-        backoff = RECONNECT_INIT_S
-        next_beat = time.monotonic() + interval
-        said_bye = False
-        while True:
-            if self.shared.leaving.is_set() and not said_bye:
-                sock.send_multipart([W_BYE])
-                said_bye = True
-            if said_bye and self.shared.held == 0:
-                break
-            events = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
-            now = time.monotonic()
-            if self.results in events:
-                while True:
-                    try:
-                        frames = self.results.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    sock.send_multipart([W_RESULT, *frames])
-                    self.shared.held -= 1
-            if sock in events:
-                liveness = HEARTBEAT_LIVENESS
-                backoff = RECONNECT_INIT_S
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._on_broker(frames, now)
-            if now >= next_beat:
-                if self.orphaned():
-                    log.warning("the broker that started this worker (pid %s) is gone: leaving", self.parent_pid)
-                    self.shared.leaving.set()
-                sock.send_multipart(self._heartbeat())
-                next_beat = now + interval
-                if sock not in events:
-                    liveness -= 1
-                if liveness <= 0 and not said_bye:
-                    log.warning("broker silent for %.1fs; reconnecting in %.1fs", interval * HEARTBEAT_LIVENESS, backoff)
-                    poller.unregister(sock)
-                    sock.close(linger=0)
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, RECONNECT_MAX_S)
-                    sock = self._connect()
-                    poller.register(sock, zmq.POLLIN)
-                    liveness = HEARTBEAT_LIVENESS
-        sock.close(linger=2000)
-        self.results.close(linger=0)
-        self.shared.jobs.put(None)
-        self.done.set()
+    def orphaned(self) -> bool:
+        """A local worker outlives a killed broker otherwise (it would reconnect forever)."""
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
 
-    def _on_broker(self, frames: list[bytes], now: float) -> None:
-        kind = frames[0]
-        if kind == B_JOB and len(frames) == 4:
-            _, job_id, meta, payload = frames
+    # --- the loop ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        with self.lock:
+            self.sock = self._connect()
+        beat = threading.Thread(target=self._beat_while_busy, name="tokenbroker-beat", daemon=True)
+        beat.start()
+        liveness, backoff, heard = HEARTBEAT_LIVENESS, RECONNECT_INIT_S, False
+        self.next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
+        bye_at: float | None = None  # when BYE went out
+        drained = False  # the broker has read our BYE: nothing more is on its way
+        while True:
+            jobs: list[PendingJob] = []
+            with self.lock:
+                if self.leaving.is_set() and bye_at is None:
+                    self.sock.send_multipart([W_BYE])
+                    bye_at = time.monotonic()
+                if bye_at is not None and (drained or time.monotonic() - bye_at > 2 * HEARTBEAT_INTERVAL_S):
+                    break
+                if self.sock.poll(max(0.0, self.next_beat - time.monotonic()) * 1000):
+                    liveness, backoff, heard = HEARTBEAT_LIVENESS, RECONNECT_INIT_S, True
+                    drained |= self._take(jobs, bye_at is not None)
+                now = time.monotonic()
+                if now >= self.next_beat:
+                    if self.orphaned():
+                        log.warning("the broker that started this worker (pid %s) is gone: leaving", self.parent_pid)
+                        self.leaving.set()
+                    self.stats = self.registry.cache_stats()
+                    self.sock.send_multipart(self._heartbeat())
+                    self.next_beat = now + HEARTBEAT_INTERVAL_S
+                    if not heard:
+                        liveness -= 1
+                    heard = False
+                    if liveness <= 0 and bye_at is None:
+                        log.warning("broker silent for %.1fs; reconnecting in %.1fs", HEARTBEAT_INTERVAL_S * HEARTBEAT_LIVENESS, backoff)
+                        self.sock.close(linger=0)
+                        time.sleep(backoff)
+                        backoff = min(backoff * 2, RECONNECT_MAX_S)
+                        self.sock = self._connect()
+                        liveness = HEARTBEAT_LIVENESS
+            if jobs:
+                self._run_round(jobs)
+        with self.lock:
+            self.sock.close(linger=2000)
+            self.sock = None
+
+    def _take(self, jobs: list[PendingJob], after_bye: bool) -> bool:
+        """Read what has arrived (up to a round's worth); True when a heartbeat followed our BYE."""
+        drained = False
+        now = time.monotonic()
+        while len(jobs) < MAX_ROUND_JOBS:
             try:
-                budget = int(msgpack.unpackb(meta).get("budget_ms", 0))
-            except Exception:
-                budget = 0
-            self.shared.held += 1
-            self.shared.jobs.put(Job(job_id, budget, now, payload))
-        elif kind != B_HEARTBEAT:
-            log.warning("ignoring a backend message of kind %r with %d frames", kind, len(frames))
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            kind = frames[0]
+            if kind == B_JOBS:
+                try:
+                    jobs.extend(PendingJob(job_id, budget, now, payload) for job_id, budget, payload in unpack_jobs(frames[1:]))
+                except ValueError as e:
+                    log.warning("ignoring a malformed job batch: %s", e)
+            elif kind == B_HEARTBEAT:
+                drained |= after_bye  # the broker sends in order: every job it sent before is here
+            else:
+                log.warning("ignoring a backend message of kind %r with %d frames", kind[:8], len(frames))
+        return drained
+
+    def _run_round(self, jobs: list[PendingJob]) -> None:
+        budget_s = max(job.budget_ms for job in jobs) / 1000
+        self.round_until = time.monotonic() + budget_s + WATCHDOG_GRACE_S
+        try:
+            results = self.ops.run(jobs)
+        finally:
+            self.round_until = None
+            self.stuck_logged = False
+        self.served += len(jobs)
+        with self.lock:
+            self.sock.send_multipart(pack_results(results))
+
+    def _beat_while_busy(self) -> None:
+        """Heartbeats while a round computes; none once it is overdue, so the broker replaces us."""
+        while self.sock is not None or not self.leaving.is_set():
+            time.sleep(HEARTBEAT_INTERVAL_S / 4)
+            until = self.round_until
+            if until is None or time.monotonic() < self.next_beat:
+                continue
+            if time.monotonic() > until:
+                if not self.stuck_logged:
+                    log.error("a batch of jobs is running past its deadline: heartbeats stop so the broker replaces this worker")
+                    self.stuck_logged = True
+                continue
+            if not self.lock.acquire(blocking=False):
+                continue  # the main thread has the socket: it beats itself
+            try:
+                if self.sock is not None and self.round_until is not None:
+                    self.sock.send_multipart(self._heartbeat())
+                    self.next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
+            finally:
+                self.lock.release()
 
 
 def serve(config: WorkerConfig) -> int:
@@ -193,9 +212,6 @@ def serve(config: WorkerConfig) -> int:
     except BootError as e:
         print(f"tokenbroker worker: cannot load tokenizers: {e}", file=sys.stderr, flush=True)
         return EXIT_BOOT_ERROR
-    shared = Shared(stats=registry.cache_stats())
-    signal.signal(signal.SIGTERM, lambda *_: shared.leaving.set())
-    signal.signal(signal.SIGINT, lambda *_: shared.leaving.set())
     ready = Ready(
         version=PROTOCOL_VERSION,
         capacity=config.capacity,
@@ -203,36 +219,12 @@ def serve(config: WorkerConfig) -> int:
         pid=os.getpid(),
         host=socket.gethostname(),
         models=[m.name for m in registry.models],
+        incarnation=uuid.uuid4().hex,
     )
     ctx = zmq.Context()
-    io = IoThread(ctx, config, name, ready, shared)
-    out = ctx.socket(zmq.PUSH)
-    out.connect(io.results_endpoint)
-    io.start()
-    ops = Ops(registry, name)
-    last_stats = 0.0
-    while True:
-        try:
-            job = shared.jobs.get(timeout=0.5)
-        except queue.Empty:
-            shared.stats = registry.cache_stats()
-            if io.done.is_set():
-                break
-            continue
-        if job is None:
-            break
-        if job.budget_ms and (time.monotonic() - job.received) * 1000 > job.budget_ms:
-            # the broker answers `timeout` (now or already): don't spend the core on it
-            out.send_multipart([job.job_id, b"", b"skipped"])
-        else:
-            payload, outcome = ops.handle(job.payload)
-            out.send_multipart([job.job_id, payload, b"" if outcome == "ok" else outcome.encode()])
-        shared.served += 1
-        now = time.monotonic()
-        if now - last_stats >= STATS_EVERY_S or shared.jobs.empty():
-            shared.stats = registry.cache_stats()
-            last_stats = now
-    io.join(timeout=5)
-    out.close(linger=0)
+    worker = Worker(ctx, config, ready, Ops(registry, name), registry)
+    signal.signal(signal.SIGTERM, lambda *_: worker.leaving.set())
+    signal.signal(signal.SIGINT, lambda *_: worker.leaving.set())
+    worker.run()
     ctx.term()
     return 0

@@ -8,11 +8,24 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from array import array
+from dataclasses import dataclass
 from typing import Any
 
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import error_reply, ok_reply, opt, parse_request, raw_id, req, type_name
+from tokenbroker.common.protocol import (
+    SKIPPED,
+    Request,
+    error_reply,
+    logged_id,
+    ok_reply,
+    opt,
+    parse_request,
+    raw_id,
+    req,
+    type_name,
+)
 
 from .count import count_request
 from .registry import CacheTally, ModelRegistry, WorkerCountEnv
@@ -47,6 +60,16 @@ def _tokens_out(ids: list[int], fmt: str) -> Any:
     return ids_to_u32(ids) if fmt == "u32" else ids
 
 
+@dataclass(slots=True)
+class PendingJob:
+    """A job as the worker received it: the broker's id, the time left, the client's payload."""
+
+    job_id: int
+    budget_ms: int
+    received: float  # time.monotonic() when it arrived
+    payload: bytes
+
+
 class Ops:
     """Dispatch by op name; one method per op, each returning the reply's op fields."""
 
@@ -54,11 +77,73 @@ class Ops:
         self.registry = registry
         self.worker_name = worker_name
 
+    def run(self, jobs: list[PendingJob]) -> list[tuple[int, str, bytes]]:
+        """Serve a batch: (job id, outcome, reply) per job, in order. One job's failure is its own.
+
+        Plain tokenize jobs of one model with its caches off go through one batch encode (which
+        releases the GIL); the rest are served one by one. Replies equal what `handle` gives.
+        """
+        out: list[tuple[int, str, bytes] | None] = [None] * len(jobs)
+        groups: dict[tuple[int, bool], list[tuple[int, Request]]] = {}
+        for i, job in enumerate(jobs):
+            if job.budget_ms and (time.monotonic() - job.received) * 1000 > job.budget_ms:
+                out[i] = (job.job_id, SKIPPED, b"")  # the broker answers `timeout` (now or already)
+                continue
+            try:
+                request = parse_request(job.payload)
+            except ProtocolError as e:
+                out[i] = (job.job_id, e.code, error_reply(raw_id(job.payload), e.code, e.message))
+                continue
+            model = self._plain_tokenize_model(request)
+            if model is None:
+                reply, outcome = self.serve(request, job.payload)
+                out[i] = (job.job_id, outcome, reply)
+            else:
+                add_special = request.payload.get("add_special_tokens")
+                groups.setdefault((id(model), add_special is not False), []).append((i, request))
+        for (_, add_special), members in groups.items():
+            self._encode_group(jobs, members, add_special, out)
+        return out  # type: ignore[return-value]
+
+    def _plain_tokenize_model(self, request: Request) -> Any:
+        """The model of a tokenize request that a batch encode serves exactly, else None."""
+        p = request.payload
+        if request.op != "tokenize" or type(p.get("text")) is not str or type(p.get("add_special_tokens", True)) not in (bool, type(None)):
+            return None
+        try:
+            model = self.registry.resolve(request.model)
+        except ProtocolError:
+            return None
+        return None if model.cache.enabled else model
+
+    def _encode_group(self, jobs: list[PendingJob], members: list[tuple[int, Request]], add_special: bool,
+                      out: list) -> None:
+        model = self.registry.resolve(members[0][1].model)
+        try:
+            all_ids = model.tokenizer.encode_many([r.payload["text"] for _, r in members], add_special_tokens=add_special)
+        except Exception:  # one text the batch call refuses: serve each alone, so only it fails
+            for i, request in members:
+                reply, outcome = self.serve(request, jobs[i].payload)
+                out[i] = (jobs[i].job_id, outcome, reply)
+            return
+        off = {"l0": "off", "l1_reused_tokens": 0}
+        for (i, request), ids in zip(members, all_ids):
+            fields = {"tokens": _tokens_out(ids, request.tokens_format), "count": len(ids), "cache": off,
+                      "worker": self.worker_name}
+            out[i] = (jobs[i].job_id, "ok", ok_reply(raw_id(jobs[i].payload), fields))
+
     def handle(self, data: bytes) -> tuple[bytes, str]:
         """Serve one client payload: (the reply bytes, "ok" or the error code)."""
-        request_id = raw_id(data)
         try:
             request = parse_request(data)
+        except ProtocolError as e:
+            return error_reply(raw_id(data), e.code, e.message), e.code
+        return self.serve(request, data)
+
+    def serve(self, request: Request, data: bytes) -> tuple[bytes, str]:
+        """Serve one parsed request (`data` is its payload, for the id): (the reply bytes, outcome)."""
+        request_id = request.raw_id
+        try:
             method = getattr(self, f"op_{request.op}", None)
             if method is None:
                 raise ProtocolError("unknown_op", f"field 'op': {request.op!r} is not served by workers")
@@ -69,7 +154,7 @@ class Ops:
         except RecursionError:
             return error_reply(request_id, "invalid_input", "input is nested too deeply to process"), "invalid_input"
         except Exception as e:  # a bug: say so, keep serving
-            log.exception("internal error serving request id=%r", request_id)
+            log.exception("internal error serving request id=%s", logged_id(request_id))
             return error_reply(request_id, "internal", f"internal error: {type(e).__name__}: {e}"), "internal"
 
     # --- ops ---------------------------------------------------------------------------

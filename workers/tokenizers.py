@@ -57,6 +57,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
+    def encode_many(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]: ...
+
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
 
 
@@ -97,6 +99,10 @@ class HuggingFaceTokenizer(_Wrapped):
         # must not starve the worker's I/O thread, whose heartbeats keep the worker alive.
         return self.raw.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_many(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        """One call for many texts, each encoded alone (as `encode` would), without the GIL."""
+        return [e.ids for e in self.raw.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         # `tokenizers` skips ids it has no token for, silently: check those (max and the gaps) first.
         # Negative and beyond-u32 ids make it raise OverflowError: only then look for the culprit.
@@ -124,6 +130,11 @@ class TiktokenTokenizer(_Wrapped):
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         # Same as encode(text, allowed_special="all"), without recomputing the disallowed set per call.
         return self.raw.encode(text, allowed_special=self._special_texts, disallowed_special=())
+
+    def encode_many(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        # tiktoken's own encode_batch fans out to a thread pool: one worker uses one core.
+        encode, allowed = self.raw.encode, self._special_texts
+        return [encode(t, allowed_special=allowed, disallowed_special=()) for t in texts]
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         kept = ids

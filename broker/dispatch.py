@@ -1,0 +1,215 @@
+"""Which queued job goes to which worker, and when: the broker's dispatch policy. No socket, no clock.
+
+The `Dispatcher` is the one owner of placement state: the pending queue, and for each worker the
+jobs it holds (its slots). The router (tokenbroker.broker.router) is its policy for one pick; its
+in-flight counts move only through the dispatcher, in step with the slots.
+
+A turn of `assign(now)`:
+
+1. Affinity pass: the first `lookahead` queued jobs are offered to their preferred worker only
+   (`Router.pick(overflow=False)`); a job whose preferred worker is full but within the load
+   bound stays queued. Without it a saturated pool hands each freed slot to the queue's head,
+   whatever worker it prefers, and affinity is lost exactly when it matters most.
+2. In order: the queue's head goes to any worker with room once it has waited `spill_wait`
+   (or at once if it has no key), so a job never waits long while another worker idles.
+
+What one turn assigns to a worker goes in one backend message (the backend splits it by count and
+bytes), so a busy pool pays the hop once per batch, not per job. A worker is full at `capacity`
+jobs, or at `worker_bytes` payload bytes once it holds one job: a huge request blocks the queue of
+its own worker only, and small ones go elsewhere meanwhile.
+
+`next_timer(now)` says when waiting could change something: only when a worker has room and the
+head waits for its spill time. With no room anywhere the broker sleeps until a worker answers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenbroker.common.protocol import Envelope
+
+from .affinity import RouteKey
+from .router import Router
+
+AFFINITY_LOOKAHEAD = 64  # queued jobs offered to their preferred worker before strict order
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One client request held by the broker, from receipt to reply."""
+
+    job_id: int
+    envelope: Envelope
+    raw_id: bytes  # the id's MessagePack bytes, echoed as they came
+    raw: bytes
+    op: str
+    route: RouteKey | None
+    received: float
+    deadline: float
+    queued: float  # when it last entered the queue
+    attempts: int = 0
+    worker: bytes | None = None  # the worker holding it, while one does
+    answered: bool = False
+
+
+@dataclass(slots=True)
+class Slots:
+    """What one worker holds."""
+
+    capacity: int
+    jobs: dict[int, Job] = field(default_factory=dict)
+    bytes: int = 0
+    draining: bool = False  # said BYE: finishes what it holds, gets nothing new
+
+
+class Dispatcher:
+    def __init__(self, router: Router, *, spill_wait: float, worker_bytes: int,
+                 lookahead: int = AFFINITY_LOOKAHEAD) -> None:
+        self.router = router
+        self.spill_wait = spill_wait
+        self.worker_bytes = worker_bytes
+        self.lookahead = lookahead
+        self.workers: dict[bytes, Slots] = {}
+        self.pending: deque[Job] = deque()
+        self.waiting = 0  # queued jobs still unanswered
+        self._stale = 0  # answered jobs still in `pending`, dropped in batches
+        self._free = 0  # slots free over the workers that take jobs
+
+    # --- workers -------------------------------------------------------------------------
+
+    def add_worker(self, wid: bytes, capacity: int) -> None:
+        self.workers[wid] = Slots(capacity)
+        self.router.add_worker(wid, capacity)
+        self._free += capacity
+
+    def drain_worker(self, wid: bytes) -> None:
+        """Nothing new goes to it; what it holds finishes there."""
+        slots = self.workers.get(wid)
+        if slots is not None and not slots.draining:
+            slots.draining = True
+            self._free -= self._room(slots)
+            self.router.remove_worker(wid)
+
+    def remove_worker(self, wid: bytes) -> list[Job]:
+        """The worker is gone: returns the jobs it held (oldest first), no longer placed."""
+        slots = self.workers.pop(wid, None)
+        if slots is None:
+            return []
+        if not slots.draining:
+            self._free -= self._room(slots)
+            self.router.remove_worker(wid)
+        for job in slots.jobs.values():
+            job.worker = None
+        return list(slots.jobs.values())
+
+    def holds(self, wid: bytes) -> int:
+        slots = self.workers.get(wid)
+        return len(slots.jobs) if slots is not None else 0
+
+    # --- jobs ----------------------------------------------------------------------------
+
+    def enqueue(self, job: Job) -> None:
+        self.pending.append(job)
+        self.waiting += 1
+
+    def requeue(self, job: Job) -> None:
+        """A job whose worker died goes first; its queue time stays, so it may go anywhere at once."""
+        self.pending.appendleft(job)
+        self.waiting += 1
+
+    def finish(self, wid: bytes, job_id: int) -> Job | None:
+        """`wid` answered `job_id`: the job, if that worker held it (else a stale or forged answer)."""
+        slots = self.workers.get(wid)
+        if slots is None:
+            return None
+        job = slots.jobs.get(job_id)
+        if job is None:
+            return None
+        before = self._room(slots)
+        del slots.jobs[job_id]
+        slots.bytes -= len(job.raw)
+        job.worker = None
+        if not slots.draining:
+            self.router.finished(wid)
+            self._set_room(wid, slots, before)
+        return job
+
+    def expired(self, job: Job) -> None:
+        """A queued job was answered (its deadline passed): it leaves the queue's count now."""
+        self.waiting -= 1
+        self._stale += 1
+        if self._stale > max(64, len(self.pending) // 2):
+            self.pending = deque(j for j in self.pending if not j.answered)
+            self._stale = 0
+
+    # --- the policy ----------------------------------------------------------------------
+
+    def assign(self, now: float) -> list[tuple[bytes, list[Job]]]:
+        """Place what can be placed now; returns each worker's new jobs, in the order to send."""
+        if self._free <= 0 or not self.waiting:
+            return []
+        out: dict[bytes, list[Job]] = {}
+        kept: list[Job] = []
+        pending = self.pending
+        for _ in range(min(self.lookahead, len(pending))):
+            if self._free <= 0:
+                break
+            job = pending.popleft()
+            if job.answered:
+                self._stale -= 1
+                continue
+            wid = self.router.pick(job.route, overflow=False)
+            if wid is None:
+                kept.append(job)
+            else:
+                self._place(job, wid, out)
+        pending.extendleft(reversed(kept))
+        spill_before = now - self.spill_wait
+        while pending and self._free > 0:
+            job = pending[0]
+            if job.answered:
+                pending.popleft()
+                self._stale -= 1
+                continue
+            if job.route is not None and job.queued > spill_before:
+                break  # it may still wait for its preferred worker (and the queue is in arrival order)
+            wid = self.router.pick(job.route)
+            if wid is None:
+                break
+            pending.popleft()
+            self._place(job, wid, out)
+        return list(out.items())
+
+    def next_timer(self, now: float) -> float | None:
+        """When the queue's head may spill to a free slot; None when only an answer can help."""
+        if self._free <= 0 or not self.waiting:
+            return None
+        for job in self.pending:
+            if not job.answered:
+                return job.queued + self.spill_wait
+        return None
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _place(self, job: Job, wid: bytes, out: dict[bytes, list[Job]]) -> None:
+        slots = self.workers[wid]
+        before = self._room(slots)
+        slots.jobs[job.job_id] = job
+        slots.bytes += len(job.raw)
+        job.worker = wid
+        job.attempts += 1
+        self.waiting -= 1
+        self._set_room(wid, slots, before)
+        out.setdefault(wid, []).append(job)
+
+    def _room(self, slots: Slots) -> int:
+        """Free slots of a worker: none once its payload bytes reach the limit (if it holds a job)."""
+        if slots.jobs and slots.bytes >= self.worker_bytes:
+            return 0
+        return slots.capacity - len(slots.jobs)
+
+    def _set_room(self, wid: bytes, slots: Slots, before: int) -> None:
+        room = self._room(slots)
+        self._free += room - before
+        self.router.block(wid, room <= 0)
