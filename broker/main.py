@@ -55,7 +55,7 @@ def serve(config: BrokerConfig) -> int:
     wakeup, restore_signals = install_signal_wakeup()
     metrics = PoolMetrics()
     supervisor = Supervisor(count=config.workers, connect=backend_endpoint,
-                            worker_argv=model_argv(config.models), name_prefix=f"local{os.getpid()}")
+                            worker_argv=[*model_argv(config.models), "--capacity", str(config.worker_capacity)], name_prefix=f"local{os.getpid()}")
     broker = Broker(config, Frontend(frontend_sock, max_request_bytes=config.max_request_bytes),
                     Backend(backend_sock), supervisor, metrics, wakeup)
     code = 0

@@ -66,6 +66,7 @@ class BrokerConfig:
     balance_margin: int = 2
     spill_wait_ms: int = 20  # a job waits this long for its full (but not overloaded) preferred worker
     worker_max_bytes: int = 1 * MiB  # payload bytes a worker holds before it gets more (past its first job)
+    worker_capacity: int = 64  # jobs each local worker holds at once
     routing: str = "affinity"  # or "least-loaded": no affinity keys at all (for comparison and debugging)
     models: ModelConfig = field(default_factory=lambda: ModelConfig(models=(ModelSpec(EMBEDDED_DEFAULT_NAME, EMBEDDED_DEFAULT),)))
 
@@ -74,7 +75,7 @@ class BrokerConfig:
 class WorkerConfig:
     connect: str
     models: ModelConfig
-    capacity: int = 32  # jobs held at once: a pipeline deep enough that the worker never waits for the broker
+    capacity: int = 64  # jobs held at once: a pipeline deep enough that the worker never waits for the broker
     name: str | None = None
 
 
@@ -229,6 +230,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance-margin", type=_non_negative_int, default=d.balance_margin)
     p.add_argument("--spill-wait-ms", type=_non_negative_int, default=d.spill_wait_ms,
                    help="how long a job waits for its busy preferred worker before going to another (0: never waits)")
+    p.add_argument("--worker-capacity", type=_positive_int, default=d.worker_capacity,
+                   help="jobs each local worker holds at once: deep enough that it never waits for the broker")
     p.add_argument("--worker-max-bytes", type=_positive_int, default=d.worker_max_bytes,
                    help="payload bytes a worker may hold before it is sent more (a huge request holds up its own worker only)")
     p.add_argument("--routing", choices=("affinity", "least-loaded"), default=d.routing,
@@ -251,6 +254,7 @@ def broker_config_from_args(a: argparse.Namespace) -> BrokerConfig:
         routing=a.routing,
         spill_wait_ms=a.spill_wait_ms,
         worker_max_bytes=a.worker_max_bytes,
+        worker_capacity=a.worker_capacity,
         models=model_config_from_args(a),
     )
 
