@@ -23,6 +23,7 @@ import zmq
 
 from tokenbroker.common.protocol import (
     B_HEARTBEAT,
+    B_RESET,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
     MAX_BATCH_JOBS,
@@ -135,16 +136,15 @@ class Backend:
         worker = self.workers.get(wid)
         if worker is not None:
             worker.expiry = self.expiry(now)
+        if worker is None and kind in (W_RESULTS, W_HEARTBEAT):
+            self._send(wid, B_RESET)  # a worker we forgot (it was silent, stopped): it says READY again now
+            return []
         if kind == W_RESULTS:
-            if worker is None:
-                return []  # a worker we forgot (expired): it says READY again after reconnecting
             try:
                 return [Results(wid, unpack_results(body))]
             except ValueError as e:
                 return self._drop("results", "worker %s sent a malformed RESULTS: %s", worker.name, e)
         if kind == W_HEARTBEAT:
-            if worker is None:
-                return []
             if len(body) != 1 or len(body[0]) > MAX_REPORT_BYTES:
                 return self._drop("heartbeat", "worker %s sent a malformed HEARTBEAT (%d frames)", worker.name, len(body))
             try:

@@ -118,8 +118,12 @@ class Dispatcher:
         self.pending.appendleft(job)
         self.waiting += 1
 
-    def finish(self, wid: bytes, job_id: int) -> Job | None:
-        """`wid` answered `job_id`: the job, if that worker held it (else a stale or forged answer)."""
+    def finish(self, wid: bytes, job_id: int, *, served: bool = False) -> Job | None:
+        """`wid` answered `job_id`: the job, if that worker held it (else a stale or forged answer).
+
+        `served`: the worker tokenized its input (an ok reply), so the router's index learns where
+        its prefixes are; a rejected request teaches it nothing.
+        """
         slots = self.workers.get(wid)
         if slots is None:
             return None
@@ -130,6 +134,8 @@ class Dispatcher:
         del slots.jobs[job_id]
         slots.bytes -= len(job.raw)
         job.worker = None
+        if served and job.route is not None:
+            self.router.record(job.route, wid)
         if not slots.draining:
             self.router.finished(wid)
             self._set_room(wid, slots, before)
@@ -159,7 +165,7 @@ class Dispatcher:
             if job.answered:
                 self._stale -= 1
                 continue
-            wid = self.router.pick(job.route, overflow=False)
+            wid = self.router.pick(job.route, overflow=False, record=False)
             if wid is None:
                 kept.append(job)
             else:
@@ -174,7 +180,7 @@ class Dispatcher:
                 continue
             if job.route is not None and job.queued > spill_before:
                 break  # it may still wait for its preferred worker (and the queue is in arrival order)
-            wid = self.router.pick(job.route)
+            wid = self.router.pick(job.route, record=False)
             if wid is None:
                 break
             pending.popleft()

@@ -64,10 +64,17 @@ class Broker:
                                      worker_bytes=config.worker_max_bytes)
         self.jobs: dict[int, Job] = {}  # every job held, queued or at a worker, until answered
         self.held_bytes = 0  # payload bytes of every job held, bounded by max_pending_bytes
+        self.per_client: dict[bytes, int] = {}  # jobs held per client connection, bounded by max_client_pending
         self.deadlines: list[tuple[float, int]] = []
         self.next_id = 1
         self.stopping_since: float | None = None
         self.next_publish = 0.0
+        lim = config.models.limits
+        self.limits = {  # told in ping replies, so clients can size their requests
+            "max_request_bytes": config.max_request_bytes, "max_pending": config.max_pending,
+            "max_client_pending": config.max_client_pending, "request_timeout_ms": config.request_timeout_ms,
+            "max_batch_items": lim.max_batch_items, "max_reply_bytes": lim.max_reply_bytes,
+        }
         self.poller = zmq.Poller()
         self.poller.register(backend.sock, zmq.POLLIN)
         self.poller.register(wakeup.fileno(), zmq.POLLIN)
@@ -149,16 +156,12 @@ class Broker:
             budget -= len(peek.raw)
             if peek.op == "ping":
                 self.frontend.reply(envelope, ok_reply(peek.raw_id, {
-                    "workers": self.backend.ready_count(), "version": __version__, "worker": "broker"}))
+                    "workers": self.backend.ready_count(), "version": __version__, "worker": "broker",
+                    "limits": self.limits}))
                 self.metrics.request_done("ping", "ok", 0.0)
                 continue
-            waiting = self.dispatcher.waiting
-            full = waiting >= self.config.max_pending or \
-                self.held_bytes + len(peek.raw) > self.config.max_pending_bytes
-            if self.stopping_since is not None or full:
-                why = "the broker is shutting down" if self.stopping_since is not None else \
-                    f"{waiting} requests ({self.held_bytes} bytes) are queued " \
-                    f"(--max-pending {self.config.max_pending}, --max-pending-bytes {self.config.max_pending_bytes})"
+            why = self._refusal(envelope.identity, len(peek.raw))
+            if why is not None:
                 self.frontend.fail(envelope, peek.raw_id, "overloaded", f"{why}; retry later")
                 self.metrics.request_done(peek.op, "overloaded", 0.0)
                 continue
@@ -169,8 +172,21 @@ class Broker:
             self.next_id += 1
             self.jobs[job.job_id] = job
             self.held_bytes += len(job.raw)
+            self.per_client[envelope.identity] = self.per_client.get(envelope.identity, 0) + 1
             self.dispatcher.enqueue(job)
             heapq.heappush(self.deadlines, (job.deadline, job.job_id))
+
+    def _refusal(self, client: bytes, size: int) -> str | None:
+        """Why a new request cannot be held now (answered overloaded), or None."""
+        c = self.config
+        if self.stopping_since is not None:
+            return "the broker is shutting down"
+        if self.dispatcher.waiting >= c.max_pending or self.held_bytes + size > c.max_pending_bytes:
+            return (f"{self.dispatcher.waiting} requests ({self.held_bytes} bytes) are queued "
+                    f"(--max-pending {c.max_pending}, --max-pending-bytes {c.max_pending_bytes})")
+        if self.per_client.get(client, 0) >= c.max_client_pending:
+            return f"this connection has {c.max_client_pending} requests held (--max-client-pending)"
+        return None
 
     @staticmethod
     def _timeout_message(job: Job) -> str:
@@ -179,6 +195,12 @@ class Broker:
     def _release(self, job: Job) -> None:
         if self.jobs.pop(job.job_id, None) is not None:
             self.held_bytes -= len(job.raw)
+            client = job.envelope.identity
+            left = self.per_client[client] - 1
+            if left:
+                self.per_client[client] = left
+            else:
+                del self.per_client[client]
 
     def _answer(self, job: Job, payload: bytes, outcome: str, now: float) -> None:
         job.answered = True
@@ -224,7 +246,7 @@ class Broker:
 
     def _on_results(self, event: Results, now: float) -> None:
         for job_id, outcome, payload in event.results:
-            job = self.dispatcher.finish(event.wid, job_id)
+            job = self.dispatcher.finish(event.wid, job_id, served=outcome == "ok")
             if job is None:
                 continue  # a late answer for a job already retried elsewhere, or not this worker's
             self._release(job)
@@ -323,6 +345,7 @@ class Broker:
             if not job.answered:
                 self._fail(job, code, message, now)
         self.jobs.clear()
+        self.per_client.clear()
         self.held_bytes = 0
         self.dispatcher.pending.clear()
         self.dispatcher.waiting = 0

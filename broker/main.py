@@ -21,6 +21,13 @@ from .supervisor import Supervisor
 log = logging.getLogger(__name__)
 
 WORKER_STOP_GRACE_S = 5.0
+FRONTEND_HWM = 1000  # messages queued per client connection, each way
+
+
+def hard_frame_limit(max_request_bytes: int) -> int:
+    """Frames up to this are read and answered too_large past --max-request-bytes; larger ones
+    make ZeroMQ drop the connection before they are in memory."""
+    return max(2 * max_request_bytes, 1024 * 1024)
 
 
 def _bind(sock: zmq.Socket, endpoint: str, what: str) -> str:
@@ -37,10 +44,12 @@ def serve(config: BrokerConfig) -> int:
     runtime_dir = None
     frontend_sock = ctx.socket(zmq.ROUTER)
     frontend_sock.setsockopt(zmq.LINGER, 1000)
-    frontend_sock.setsockopt(zmq.SNDHWM, 100_000)
-    frontend_sock.setsockopt(zmq.RCVHWM, 100_000)
+    # Small queues per client: one that sends without reading fills its own queues and then
+    # loses its own replies (a ROUTER drops what it cannot queue), never the broker's memory.
+    frontend_sock.setsockopt(zmq.SNDHWM, FRONTEND_HWM)
+    frontend_sock.setsockopt(zmq.RCVHWM, FRONTEND_HWM)
     # A hard guard far above --max-request-bytes: larger frames drop the connection instead of filling memory.
-    frontend_sock.setsockopt(zmq.MAXMSGSIZE, max(256 * 1024 * 1024, 16 * config.max_request_bytes))
+    frontend_sock.setsockopt(zmq.MAXMSGSIZE, hard_frame_limit(config.max_request_bytes))
     frontend_endpoint = _bind(frontend_sock, config.frontend, "frontend")
     backend_sock = ctx.socket(zmq.ROUTER)
     backend_sock.setsockopt(zmq.LINGER, 0)

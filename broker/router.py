@@ -119,11 +119,13 @@ class Router:
 
     # --- the policy ------------------------------------------------------------------------
 
-    def pick(self, key: RouteKey | None, *, overflow: bool = True) -> bytes | None:
+    def pick(self, key: RouteKey | None, *, overflow: bool = True, record: bool = True) -> bytes | None:
         """A worker with a free slot for this request, counted in flight; None when all are full.
 
         With `overflow=False`, also None when the key's preferred worker is full but within the
         load bound (the job would rather wait for it); an overloaded one is still spilled from.
+        With `record=False` the index learns nothing now: the caller calls `record()` once the
+        worker has tokenized the input (so requests a worker rejects never fill the index).
         """
         free = [w for w in self._workers.values() if w.in_flight < w.capacity and not w.blocked]
         if not free:
@@ -137,11 +139,18 @@ class Router:
             if found is None:
                 return None
             chosen = found
-            self._record(key, chosen)
+            if record:
+                self._record(key, chosen)
         self._stats["picks"] += 1
         chosen.in_flight += 1
         self._total += 1
         return chosen.wid
+
+    def record(self, key: RouteKey, wid: bytes) -> None:
+        """`wid` has tokenized `key`'s input: its prefixes are in that worker's L1 now."""
+        w = self._workers.get(wid)
+        if w is not None:
+            self._record(key, w)
 
     def preferred(self, key: RouteKey | None) -> bytes | None:
         """The worker `key` would go to with no load: index hit, else rendezvous. Records nothing."""

@@ -49,7 +49,10 @@ class Exit:
         if self.killed_as_hung:
             return f"worker {self.name} (pid {self.pid}) was killed for not answering heartbeats"
         if self.returncode < 0:
-            sig = signal.Signals(-self.returncode).name
+            try:
+                sig = signal.Signals(-self.returncode).name
+            except ValueError:  # a real-time signal or one Python has no name for
+                sig = f"signal {-self.returncode}"
             hint = " (killed: out of memory?)" if self.returncode == -signal.SIGKILL else ""
             return f"worker {self.name} (pid {self.pid}) was killed by {sig}{hint}"
         return f"worker {self.name} (pid {self.pid}) exited with status {self.returncode}"

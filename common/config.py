@@ -39,12 +39,21 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """Work one request may ask of a worker; over them it is answered `too_large`."""
+
+    max_batch_items: int = 65536  # texts in a tokenize batch, sequences in a detokenize batch
+    max_reply_bytes: int = 64 * MiB  # a reply larger than this is not sent
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What every worker loads. The first model is the default."""
 
     models: tuple[ModelSpec, ...]
     tokenizer_map: tuple[tuple[str, str], ...] = ()  # (glob, model name)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    limits: Limits = field(default_factory=Limits)
 
     @property
     def default(self) -> ModelSpec:
@@ -62,6 +71,7 @@ class BrokerConfig:
     max_request_bytes: int = 32 * MiB
     max_pending: int = 4096
     max_pending_bytes: int = 1024 * MiB  # payload bytes held at once (queued and in flight)
+    max_client_pending: int = 1024  # requests one client connection may have held at once
     balance_factor: float = 1.25
     balance_margin: int = 2
     spill_wait_ms: int = 20  # a job waits this long for its full (but not overloaded) preferred worker
@@ -93,6 +103,16 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _factor(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value >= 1.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 1.0, got {text}")
     return value
 
 
@@ -136,6 +156,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     c.add_argument("--tokenizer-cache-l0-max-bytes", type=_positive_int, default=CacheConfig.l0_max_bytes)
     c.add_argument("--tokenizer-cache-enable-l1", action="store_true")
     c.add_argument("--tokenizer-cache-l1-max-memory", type=_positive_int, default=CacheConfig.l1_max_memory)
+    lim = p.add_argument_group("limits")
+    lim.add_argument("--max-batch-items", type=_positive_int, default=Limits.max_batch_items,
+                     help="texts (or id sequences) one batch request may hold; more is answered too_large")
+    lim.add_argument("--max-reply-bytes", type=_positive_int, default=Limits.max_reply_bytes,
+                     help="a reply larger than this is answered too_large instead")
 
 
 def model_config_from_args(a: argparse.Namespace) -> ModelConfig:
@@ -172,7 +197,8 @@ def model_config_from_args(a: argparse.Namespace) -> ModelConfig:
         l1_enabled=a.tokenizer_cache_enable_l1,
         l1_max_memory=a.tokenizer_cache_l1_max_memory,
     )
-    return ModelConfig(models=models, tokenizer_map=tuple(a.tokenizer_map), cache=cache)
+    limits = Limits(max_batch_items=a.max_batch_items, max_reply_bytes=a.max_reply_bytes)
+    return ModelConfig(models=models, tokenizer_map=tuple(a.tokenizer_map), cache=cache, limits=limits)
 
 
 def _aliases(name: str, served: list[str]) -> tuple[str, ...]:
@@ -206,6 +232,8 @@ def model_argv(m: ModelConfig) -> list[str]:
         "--tokenizer-cache-l0-max-entries", str(c.l0_max_entries),
         "--tokenizer-cache-l0-max-bytes", str(c.l0_max_bytes),
         "--tokenizer-cache-l1-max-memory", str(c.l1_max_memory),
+        "--max-batch-items", str(m.limits.max_batch_items),
+        "--max-reply-bytes", str(m.limits.max_reply_bytes),
     ]
     return argv
 
@@ -225,7 +253,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="queued requests beyond this are answered overloaded")
     p.add_argument("--max-pending-bytes", type=_positive_int, default=d.max_pending_bytes,
                    help="payload bytes held (queued and in flight) beyond this are answered overloaded")
-    p.add_argument("--balance-factor", type=float, default=d.balance_factor,
+    p.add_argument("--max-client-pending", type=_positive_int, default=d.max_client_pending,
+                   help="requests one client connection may have held at once; more are answered overloaded")
+    p.add_argument("--balance-factor", type=_factor, default=d.balance_factor,
                    help="a worker above mean*factor and mean+margin in-flight jobs is passed over")
     p.add_argument("--balance-margin", type=_non_negative_int, default=d.balance_margin)
     p.add_argument("--spill-wait-ms", type=_non_negative_int, default=d.spill_wait_ms,
@@ -249,6 +279,7 @@ def broker_config_from_args(a: argparse.Namespace) -> BrokerConfig:
         max_request_bytes=a.max_request_bytes,
         max_pending=a.max_pending,
         max_pending_bytes=a.max_pending_bytes,
+        max_client_pending=a.max_client_pending,
         balance_factor=a.balance_factor,
         balance_margin=a.balance_margin,
         routing=a.routing,

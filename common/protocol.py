@@ -30,6 +30,7 @@ W_RESULTS = b"D"  # [D, RESULT * n, reply payload * n]: replies go to the client
 W_BYE = b"B"  # [B]: the worker leaves on purpose (SIGTERM); it finishes what it holds, takes nothing new
 B_JOBS = b"J"  # [J, JOB * n, client payload * n]
 B_HEARTBEAT = b"h"  # [h]
+B_RESET = b"r"  # [r]: "I do not know you" (the broker forgot a silent worker): say READY again
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_LIVENESS = 5  # a worker silent for interval * liveness is gone

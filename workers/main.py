@@ -37,6 +37,7 @@ from tokenbroker.common.process import resident_bytes
 from tokenbroker.common.protocol import (
     B_HEARTBEAT,
     B_JOBS,
+    B_RESET,
     EXIT_BOOT_ERROR,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
@@ -85,6 +86,9 @@ class Worker:
     def _connect(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)  # ZeroMQ picks the identity: one per connection
         sock.setsockopt(zmq.LINGER, 2000)
+        # A DEALER with no connection (the broker refused our handshake, or is not there yet) would
+        # block a send forever: give up after a while instead, so liveness and SIGTERM still work.
+        sock.setsockopt(zmq.SNDTIMEO, int(HEARTBEAT_INTERVAL_S * 1000))
         sock.connect(self.config.connect)
         sock.send_multipart([W_READY, self.ready.to_wire()])
         return sock
@@ -98,6 +102,14 @@ class Worker:
             "caches": self.stats,
         }
         return [W_HEARTBEAT, pack(body)]
+
+    def _send(self, frames: list[bytes]) -> None:
+        """Send with the lock held; a message that cannot go out in time is dropped (the broker
+        retries what it never hears of, once it gives up on this worker)."""
+        try:
+            self.sock.send_multipart(frames)
+        except zmq.Again:
+            log.warning("could not send to the broker within %.1fs: a message was dropped", HEARTBEAT_INTERVAL_S)
 
     def orphaned(self) -> bool:
         """A local worker outlives a killed broker otherwise (it would reconnect forever)."""
@@ -118,7 +130,7 @@ class Worker:
             jobs: list[PendingJob] = []
             with self.lock:
                 if self.leaving.is_set() and bye_at is None:
-                    self.sock.send_multipart([W_BYE])
+                    self._send([W_BYE])
                     bye_at = time.monotonic()
                 if bye_at is not None and (drained or time.monotonic() - bye_at > 2 * HEARTBEAT_INTERVAL_S):
                     break
@@ -131,7 +143,7 @@ class Worker:
                         log.warning("the broker that started this worker (pid %s) is gone: leaving", self.parent_pid)
                         self.leaving.set()
                     self.stats = self.registry.cache_stats()
-                    self.sock.send_multipart(self._heartbeat())
+                    self._send(self._heartbeat())
                     self.next_beat = now + HEARTBEAT_INTERVAL_S
                     if not heard:
                         liveness -= 1
@@ -166,6 +178,9 @@ class Worker:
                     log.warning("ignoring a malformed job batch: %s", e)
             elif kind == B_HEARTBEAT:
                 drained |= after_bye  # the broker sends in order: every job it sent before is here
+            elif kind == B_RESET and not after_bye:
+                log.warning("the broker had forgotten this worker (it was silent): saying READY again")
+                self._send([W_READY, self.ready.to_wire()])
             else:
                 log.warning("ignoring a backend message of kind %r with %d frames", kind[:8], len(frames))
         return drained
@@ -180,7 +195,7 @@ class Worker:
             self.stuck_logged = False
         self.served += len(jobs)
         with self.lock:
-            self.sock.send_multipart(pack_results(results))
+            self._send(pack_results(results))
 
     def _beat_while_busy(self) -> None:
         """Heartbeats while a round computes; none once it is overdue, so the broker replaces us."""
@@ -198,7 +213,7 @@ class Worker:
                 continue  # the main thread has the socket: it beats itself
             try:
                 if self.sock is not None and self.round_until is not None:
-                    self.sock.send_multipart(self._heartbeat())
+                    self._send(self._heartbeat())
                     self.next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
             finally:
                 self.lock.release()

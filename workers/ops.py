@@ -76,6 +76,8 @@ class Ops:
     def __init__(self, registry: ModelRegistry, worker_name: str) -> None:
         self.registry = registry
         self.worker_name = worker_name
+        self.limits = registry.limits
+        self.deadline = float("inf")  # of the job being served (time.monotonic()); batches stop past it
 
     def run(self, jobs: list[PendingJob]) -> list[tuple[int, str, bytes]]:
         """Serve a batch: (job id, outcome, reply) per job, in order. One job's failure is its own.
@@ -96,6 +98,7 @@ class Ops:
                 continue
             model = self._plain_tokenize_model(request)
             if model is None:
+                self.deadline = job.received + job.budget_ms / 1000 if job.budget_ms else float("inf")
                 reply, outcome = self.serve(request, job.payload)
                 out[i] = (job.job_id, outcome, reply)
             else:
@@ -130,7 +133,24 @@ class Ops:
         for (i, request), ids in zip(members, all_ids):
             fields = {"tokens": _tokens_out(ids, request.tokens_format), "count": len(ids), "cache": off,
                       "worker": self.worker_name}
-            out[i] = (jobs[i].job_id, "ok", ok_reply(raw_id(jobs[i].payload), fields))
+            out[i] = (jobs[i].job_id, *self._capped(request.raw_id, ok_reply(request.raw_id, fields), "ok"))
+
+    def _capped(self, request_id: bytes, reply: bytes, outcome: str) -> tuple[str, bytes]:
+        """(outcome, reply), or too_large when the reply is over --max-reply-bytes."""
+        if len(reply) <= self.limits.max_reply_bytes:
+            return outcome, reply
+        return "too_large", error_reply(request_id, "too_large", f"the reply would be {len(reply)} bytes; this worker sends "
+                                        f"at most {self.limits.max_reply_bytes} (--max-reply-bytes): split the request")
+
+    def _batch_items(self, items: list, field: str) -> None:
+        if len(items) > self.limits.max_batch_items:
+            raise ProtocolError("too_large", f"field '{field}' holds {len(items)} items; this worker takes at most "
+                                f"{self.limits.max_batch_items} (--max-batch-items): split the batch")
+
+    def _check_deadline(self, done: int) -> None:
+        """Every 256 items of a batch: stop when the request's deadline has passed (nobody waits for it)."""
+        if done & 255 == 255 and time.monotonic() > self.deadline:
+            raise ProtocolError("timeout", f"the deadline passed after {done + 1} items of the batch")
 
     def handle(self, data: bytes) -> tuple[bytes, str]:
         """Serve one client payload: (the reply bytes, "ok" or the error code)."""
@@ -148,7 +168,9 @@ class Ops:
             if method is None:
                 raise ProtocolError("unknown_op", f"field 'op': {request.op!r} is not served by workers")
             fields = method(request.payload, request.model, request.tokens_format)
-            return ok_reply(request_id, {**fields, "worker": self.worker_name}), "ok"
+            reply = ok_reply(request_id, {**fields, "worker": self.worker_name})
+            outcome, reply = self._capped(request_id, reply, "ok")
+            return reply, outcome
         except ProtocolError as e:
             return error_reply(request_id, e.code, e.message), e.code
         except RecursionError:
@@ -168,11 +190,13 @@ class Ops:
             ids, outcome = model.cache.encode(text, add_special)
             tally.add(outcome)
             return {"tokens": _tokens_out(ids, fmt), "count": len(ids), "cache": tally.to_wire()}
+        self._batch_items(text, "text")
         for i, t in enumerate(text):
             if not isinstance(t, str):
                 raise ProtocolError("bad_request", f"field 'text[{i}]' must be str, got {type_name(t)}")
         out, total = [], 0
-        for t in text:
+        for i, t in enumerate(text):
+            self._check_deadline(i)
             ids, outcome = model.cache.encode(t, add_special)
             tally.add(outcome)
             total += len(ids)
@@ -186,8 +210,12 @@ class Ops:
         batch = _split_batch(tokens)
         if batch is None:
             return {"text": self._decode(model, _ids(tokens, "tokens"), skip, "tokens")}
-        return {"text": [self._decode(model, _ids(item, f"tokens[{i}]"), skip, f"tokens[{i}]")
-                         for i, item in enumerate(batch)]}
+        self._batch_items(batch, "tokens")
+        texts = []
+        for i, item in enumerate(batch):
+            self._check_deadline(i)
+            texts.append(self._decode(model, _ids(item, f"tokens[{i}]"), skip, f"tokens[{i}]"))
+        return {"text": texts}
 
     def _decode(self, model, ids: list[int], skip: bool, field: str) -> str:
         try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tokenbroker.common.config import EMBEDDED_DEFAULT, EMBEDDED_DEFAULT_NAME, CacheConfig, ModelConfig, ModelSpec
+from tokenbroker.common.config import EMBEDDED_DEFAULT, EMBEDDED_DEFAULT_NAME, CacheConfig, Limits, ModelConfig, ModelSpec
 from tokenbroker.common.errors import BootError, ProtocolError
 
 from .cache import CacheOutcome, TokenCache
@@ -126,6 +126,10 @@ class ModelRegistry:
     @property
     def l0_enabled(self) -> bool:
         return self._config.cache.l0_enabled
+
+    @property
+    def limits(self) -> Limits:
+        return self._config.limits
 
     @property
     def default(self) -> Model:
