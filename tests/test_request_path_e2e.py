@@ -92,7 +92,7 @@ def test_batched_replies_equal_single_ones_for_every_op_model_and_error(conn: Co
 
 
 def test_worker_killed_mid_batch_under_load_loses_and_doubles_nothing() -> None:
-    broker = start_broker(workers=2)
+    broker = start_broker("--max-client-pending", "5000", workers=2)
     c = Conn(broker.endpoint)
     try:
         n = 3000
