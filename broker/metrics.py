@@ -210,6 +210,10 @@ class PoolMetrics:
                                 ["op", "outcome"], registry=self.registry)
         self.latency = Histogram("tokenbroker_request_duration_seconds", "Time from receipt to reply, by op",
                                  ["op"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.auth_failures = Counter("tokenbroker_auth_failures", "Peers CURVE refused (key not admitted), by socket",
+                                     ["socket"], registry=self.registry)
+        for sock in ("frontend", "backend"):
+            self.auth_failures.labels(sock)  # both series exist from the start, at 0
         self.started = time.time()
         self._snapshot: dict = {}
         self._ledger = Ledger(retired_keep)
@@ -222,6 +226,10 @@ class PoolMetrics:
     def request_done(self, op: str, outcome: str, seconds: float) -> None:
         self.requests.labels(op, outcome).inc()
         self.latency.labels(op).observe(max(0.0, seconds))
+
+    def auth_failed(self, socket: str) -> None:
+        """Called on the ZAP thread (broker/security.py); prometheus-client counters are thread-safe."""
+        self.auth_failures.labels(socket).inc()
 
     def worker_joined(self, name: str) -> None:
         """Nothing to do: a worker's series appear with the next snapshot."""

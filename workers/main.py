@@ -29,6 +29,7 @@ import msgpack
 import zmq
 
 from tokenbroker.common.config import WorkerConfig
+from tokenbroker.common.curve import apply_client_curve
 from tokenbroker.common.errors import BootError
 from tokenbroker.common.process import resident_bytes
 from tokenbroker.common.protocol import (
@@ -100,6 +101,7 @@ class IoThread(threading.Thread):
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.worker_name.encode())
         sock.setsockopt(zmq.LINGER, 2000)
+        apply_client_curve(sock, self.config.curve_server_key, self.config.curve_secret_key)  # common/curve.py
         sock.connect(self.config.connect)
         sock.send_multipart([W_READY, self.ready.to_wire()])
         return sock
