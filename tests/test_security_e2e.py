@@ -78,9 +78,10 @@ def start_worker(keys: dict[str, Path], port: int, name: str, key: str) -> subpr
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """SIGKILL for a refused worker: its socket has no peer to say BYE to, so SIGTERM would wait."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -189,7 +190,7 @@ def test_a_worker_key_removed_plus_sighup_keeps_that_worker_out(pool, keys):
         assert c1.call("ping")["workers"] == 1
         assert {c1.call("tokenize", text=f"t{i}")["worker"] for i in range(8)} == {"remote-w1"}
     finally:
-        stop(w2)
+        stop(w2, signal.SIGKILL)
 
 
 def test_an_unauthorized_worker_gets_no_job(keys):
@@ -205,7 +206,7 @@ def test_an_unauthorized_worker_gets_no_job(keys):
         assert worker.poll() is None  # it kept trying: refused, not crashed
     finally:
         c1.close()
-        stop(worker)
+        stop(worker, signal.SIGKILL)
         broker.stop()
 
 
