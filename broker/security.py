@@ -7,12 +7,17 @@ every domain (it would open the backend too when only the frontend should admit 
 each domain gets a credentials callback over a key set this module loads, holds and swaps on
 SIGHUP (`reload`).
 
-Refusals are counted where the decision is made, in that callback: ZAP sees each CURVE
+Key refusals are counted where the decision is made, in that callback: ZAP sees each CURVE
 handshake once, synchronously, with its domain and key, so the count is exact and the log can
 name the key. A socket monitor's HANDSHAKE_FAILED_AUTH events would say the same thing later,
-without the key, through a queue that drops events when it fills. Peers that never reach ZAP
-(a plain-text client, a wrong server key) fail libzmq's handshake before admission and are not
-counted here: they learn nothing and get nothing either.
+without the key, through a queue that drops events when it fills, so they are not used. Peers
+that never reach ZAP (a plain-text client, a wrong server key) fail libzmq's handshake first;
+only a socket monitor sees those (HANDSHAKE_FAILED_PROTOCOL), so one thread per CURVE socket
+counts them too, best effort: a wrong server key is always seen (the broker cannot read the
+HELLO), a plain-text peer only when the broker reads its greeting before that peer, which sees
+the mismatch too, hangs up (otherwise libzmq reports a bare disconnect). A connection that closes without a word (a port scan, a health
+check) is not a refusal and is not counted. Each count is one refused handshake: a refused peer
+that keeps reconnecting (ZeroMQ retries every 100 ms by default) counts every time.
 
 An ipc:// backend (local workers, a 0700 runtime dir) is not a CURVE server: the folder's
 permissions are its access control. Local workers of a tcp:// backend under CURVE get a
@@ -35,6 +40,7 @@ from typing import Callable
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from tokenbroker.common.config import BrokerConfig, CurveConfig
 from tokenbroker.common.curve import CurveKeyError, load_key_pair, load_public_key
@@ -167,17 +173,41 @@ class _Gate:
         """pyzmq's credentials-provider hook: runs on the ZAP thread for each CURVE handshake."""
         if self.allow_any or key in self.keys:
             return True
+        where = " or ".join(f"{flag} {folder}" for flag, folder in self.folders.items())
+        self.refuse(f"its CURVE key {key.decode('ascii', 'replace')} is not in {where}")
+        return False
+
+    def refuse(self, why: str) -> None:
+        """Count one refused handshake; log it unless a line went out in the last DENIAL_LOG_EVERY_S.
+
+        Called from the ZAP thread and this socket's monitor thread, hence the lock.
+        """
         self.on_denied(self.socket)
         now = time.monotonic()
         with self._lock:
             if now < self._next_log:
                 self._denied_unlogged += 1
-                return False
+                return
             more, self._denied_unlogged, self._next_log = self._denied_unlogged, 0, now + DENIAL_LOG_EVERY_S
-        where = " or ".join(f"{flag} {folder}" for flag, folder in self.folders.items())
-        log.warning("refused a %s peer: its CURVE key %s is not in %s (%d more refused since the last such line)",
-                    self.socket, key.decode("ascii", "replace"), where, more)
-        return False
+        log.warning("refused a %s peer: %s (%d more refused since the last such line)", self.socket, why, more)
+
+
+def _watch_handshakes(monitor: zmq.Socket, gate: _Gate, stopping: threading.Event) -> None:
+    """A monitor thread: handshakes that fail before ZAP (no CURVE, or not this broker's key)."""
+    try:
+        while not stopping.is_set():
+            if not monitor.poll(200):
+                continue
+            event = recv_monitor_message(monitor)
+            if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                gate.refuse(f"it does not speak CURVE to this broker's public key (ZMTP error {event['value']:#x}, "
+                            f"from {event['endpoint'].decode(errors='replace')})")
+    except zmq.ZMQError:  # the context is going away
+        return
+    finally:
+        monitor.close(linger=0)
 
 
 class BrokerSecurity:
@@ -203,6 +233,8 @@ class BrokerSecurity:
         if curve.workers is not None:
             self.backend.folders["--curve-workers"] = curve.workers
         self.admins: frozenset[bytes] = frozenset()
+        self.watchers: list[threading.Thread] = []
+        self.stopping = threading.Event()
 
     @classmethod
     def start(cls, ctx: zmq.Context, config: BrokerConfig, *, on_denied: Callable[[str], None]) -> "BrokerSecurity":
@@ -240,6 +272,12 @@ class BrokerSecurity:
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
         sock.setsockopt(zmq.ZAP_DOMAIN, which.encode())
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        gate = self.frontend if which == FRONTEND else self.backend
+        watcher = threading.Thread(target=_watch_handshakes, args=(monitor, gate, self.stopping),
+                                   name=f"curve-watch-{which}", daemon=True)
+        watcher.start()
+        self.watchers.append(watcher)
         return True
 
     def local_worker_argv(self, backend_endpoint: str) -> list[str]:
@@ -292,7 +330,11 @@ class BrokerSecurity:
         return key in self.admins
 
     def stop(self) -> None:
-        """Stop the ZAP thread (before the context terminates) and remove the throwaway keys."""
+        """Stop the ZAP and monitor threads (before the context terminates); remove the throwaway keys."""
+        self.stopping.set()
+        for watcher in self.watchers:
+            watcher.join()
+        self.watchers.clear()
         if self.authenticator is not None:
             self.authenticator.stop()
             self.authenticator = None
