@@ -316,6 +316,21 @@ class BrokerSecurity:
                  "admits any key" if self.frontend.allow_any else f"{len(self.frontend.keys)} keys",
                  len(self.backend.keys) - len(self.backend.extra), len(self.admins))
 
+    def admits(self, which: str, public_key_z85: str | bytes | None) -> bool:
+        """Whether a peer with this key would be admitted on `which` now (after the last reload).
+
+        CURVE admits at the handshake only, so a connection made before a key was removed stays
+        up; the loop can call this with a message's "User-Id" to stop serving such a peer.
+        Without CURVE every peer is admitted.
+        """
+        if not self.enabled:
+            return True
+        gate = self.frontend if which == FRONTEND else self.backend
+        if gate.allow_any:
+            return True
+        key = public_key_z85.encode("ascii", "replace") if isinstance(public_key_z85, str) else public_key_z85
+        return bool(key) and key in gate.keys
+
     def is_admin(self, public_key_z85: str | bytes | None) -> bool:
         """Whether a frontend peer may use the admin ops under CURVE: its key is in --curve-admins.
 

@@ -232,9 +232,11 @@ def test_admins_are_admitted_as_clients_and_only_they_are_admins(tmp_path):
         assert security.frontend.callback("frontend", c_key) and security.frontend.callback("frontend", ad_key)
         assert security.is_admin(ad_key.decode()) and security.is_admin(ad_key)
         assert not security.is_admin(c_key.decode()) and not security.is_admin(None)
+        assert security.admits("frontend", c_key.decode()) and not security.admits("frontend", "x" * 40)
+        assert not security.admits("backend", c_key)  # no --curve-workers folder: no worker key
         ad.unlink()
         security.reload()
-        assert not security.is_admin(ad_key.decode())
+        assert not security.is_admin(ad_key.decode()) and not security.admits("frontend", ad_key)
         assert not security.frontend.callback("frontend", ad_key)
     finally:
         security.stop()

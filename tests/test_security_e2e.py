@@ -191,7 +191,6 @@ def test_a_client_key_removed_plus_sighup_is_locked_out(pool, keys):
         wait_until(refused, timeout=30, what="a new c2 connection to be refused after SIGHUP")
         assert auth_failures(broker, "frontend") > before
         assert broker.proc.poll() is None  # SIGHUP no longer ends the broker
-        assert before_removal.answered(timeout=30)  # CURVE admits at the handshake: its connection stays
         assert c1.answered(timeout=30)
     finally:
         before_removal.close()
