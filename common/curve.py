@@ -16,7 +16,8 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
-__all__ = ["CurveKeyError", "ClientKeys", "load_public_key", "load_key_pair", "load_client_keys", "apply_client_curve"]
+__all__ = ["CurveKeyError", "ClientKeys", "load_public_key", "load_key_pair", "load_client_keys", "apply_client_curve",
+           "watch_handshakes", "handshake_refusal"]
 
 Z85_KEY_LEN = 40  # a 32-byte Curve25519 key in Z85
 
@@ -112,3 +113,34 @@ def apply_client_curve(sock: zmq.Socket, server_key: str | os.PathLike | None,
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     return keys
+
+
+HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+
+def watch_handshakes(sock: zmq.Socket) -> zmq.Socket:
+    """A monitor socket for `sock`'s failed handshakes; read it with `handshake_refusal`.
+
+    A refused CURVE client is otherwise silent: ZeroMQ drops the connection, retries, and a
+    DEALER left without a connection blocks its next send. Watching lets a worker or client say
+    why (and give up) instead of waiting forever. Close the monitor before the socket's context.
+    """
+    return sock.get_monitor_socket(HANDSHAKE_EVENTS)
+
+
+def handshake_refusal(monitor: zmq.Socket) -> str | None:
+    """Drain `monitor` without blocking: why the server refused the handshake, or None."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    why = None
+    while monitor.poll(0):
+        event = recv_monitor_message(monitor)
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = (f"the broker refused this key (ZAP status {event['value']}): "
+                   f"is its public .key in the broker's --curve-workers (or --curve-clients) folder?")
+        elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            why = (f"the CURVE handshake failed (ZMTP error {event['value']:#x}): does the broker run "
+                   f"with --curve-secret-key, and is --curve-server-key its public key?")
+        elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # what a wrong server key looks like here
+            why = "the broker hung up during the CURVE handshake: is --curve-server-key the broker's public key?"
+    return why

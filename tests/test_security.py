@@ -251,3 +251,52 @@ def test_without_curve_sockets_stay_plain_and_nobody_is_an_admin():
     assert not security.is_admin("x" * 40)
     security.reload()  # logs only
     security.stop()
+
+
+# --- the client side learns why it was refused -----------------------------------------------------
+
+
+def _curve_server(tmp_path, ctx, admitted: bool):
+    """A real CURVE ROUTER behind this module's admission (BrokerSecurity), loopback only."""
+    _, broker_secret = create_key_pair(tmp_path / "b", "broker")
+    client_pub, client_secret = create_key_pair(tmp_path / "clients", "c")
+    if not admitted:
+        client_pub.unlink()
+    curve = CurveConfig(secret_key=str(broker_secret), clients=str(tmp_path / "clients"))
+    security = BrokerSecurity.start(ctx, BrokerConfig(curve=curve), on_denied=lambda s: None)
+    server = ctx.socket(zmq.ROUTER)
+    security.apply(server, "frontend", "tcp://127.0.0.1:*")
+    server.bind("tcp://127.0.0.1:*")
+    return security, server, tmp_path / "b" / "broker.key", client_secret
+
+
+@pytest.mark.parametrize("how", ["key-not-admitted", "wrong-server-key", "admitted"])
+def test_a_refused_client_learns_why_from_its_monitor(tmp_path, how):
+    from tokenbroker.common.curve import handshake_refusal, watch_handshakes
+    from conftest import wait_until
+
+    ctx = zmq.Context()
+    security, server, server_key, client_secret = _curve_server(tmp_path, ctx, admitted=how != "key-not-admitted")
+    if how == "wrong-server-key":
+        server_key, _ = create_key_pair(tmp_path / "other", "other")
+    client = ctx.socket(zmq.DEALER)
+    apply_client_curve(client, server_key, client_secret)
+    monitor = watch_handshakes(client)
+    try:
+        client.connect(server.getsockopt_string(zmq.LAST_ENDPOINT))
+        client.send_multipart([b"", b"hello"])
+        if how == "admitted":
+            assert server.poll(10_000) and server.recv_multipart()[-1] == b"hello"
+            assert handshake_refusal(monitor) is None
+        else:
+            why = wait_until(lambda: handshake_refusal(monitor), timeout=10, what="the refusal on the client side")
+            expected = "refused this key" if how == "key-not-admitted" else "is --curve-server-key the broker's public key"
+            assert expected in why
+            assert not server.poll(0)
+    finally:
+        client.disable_monitor()
+        monitor.close(0)
+        client.close(0)
+        server.close(0)
+        security.stop()
+        ctx.term()
