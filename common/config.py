@@ -78,7 +78,7 @@ class BrokerConfig:
     spill_wait_ms: int = 20  # a job waits this long for its full (but not overloaded) preferred worker
     routing: str = "affinity"  # or "least-loaded": no affinity keys at all (for comparison and debugging)
     models: ModelConfig = field(default_factory=lambda: ModelConfig(models=(ModelSpec(EMBEDDED_DEFAULT_NAME, EMBEDDED_DEFAULT),)))
-    curve: CurveConfig = field(default_factory=lambda: CurveConfig())  # broker/security.py reads it
+    curve: CurveConfig = field(default_factory=CurveConfig)  # broker/security.py reads it
 
 
 @dataclass(frozen=True)
