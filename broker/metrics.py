@@ -210,7 +210,7 @@ class PoolMetrics:
                                 ["op", "outcome"], registry=self.registry)
         self.latency = Histogram("tokenbroker_request_duration_seconds", "Time from receipt to reply, by op",
                                  ["op"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.auth_failures = Counter("tokenbroker_auth_failures", "Peers CURVE refused (key not admitted), by socket",
+        self.auth_failures = Counter("tokenbroker_auth_failures", "CURVE handshakes the broker refused, by socket (docs/security.md)",
                                      ["socket"], registry=self.registry)
         for sock in ("frontend", "backend"):
             self.auth_failures.labels(sock)  # both series exist from the start, at 0
