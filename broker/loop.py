@@ -37,6 +37,7 @@ FRONTEND_BATCH_BYTES = 64 * 1024 * 1024  # and payload bytes read per turn
 PUBLISH_EVERY_S = 0.1  # the exporter's view of the pool is at most this old
 SHUTDOWN_GRACE_S = 10.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+WAKE_SIGNALS = (*STOP_SIGNALS, signal.SIGCHLD, signal.SIGHUP)  # SIGHUP: re-read the CURVE key folders
 
 
 class BootFailed(Exception):
@@ -44,6 +45,8 @@ class BootFailed(Exception):
 
 
 class Broker:
+    on_hangup: Callable[[], None] = staticmethod(lambda: None)  # broker/security.py's reload, set by main
+
     def __init__(
         self,
         config: BrokerConfig,
@@ -136,6 +139,8 @@ class Broker:
             data = self.wakeup.recv(512)
         except BlockingIOError:
             return False
+        if signal.SIGHUP in data:
+            self.on_hangup()
         return any(b in data for b in STOP_SIGNALS)
 
     # --- frontend ----------------------------------------------------------------------
@@ -357,12 +362,12 @@ def install_signal_wakeup() -> tuple[socket.socket, Callable[[], None]]:
     r.setblocking(False)
     w.setblocking(False)
     old = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
-    for sig in (*STOP_SIGNALS, signal.SIGCHLD):
+    for sig in WAKE_SIGNALS:
         signal.signal(sig, lambda *_: None)
 
     def restore() -> None:
         signal.set_wakeup_fd(old)
-        for sig in (*STOP_SIGNALS, signal.SIGCHLD):
+        for sig in WAKE_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
         r.close()
         w.close()

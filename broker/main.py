@@ -16,6 +16,7 @@ from .backend import Backend
 from .frontend import Frontend
 from .loop import Broker, BootFailed, install_signal_wakeup
 from .metrics import PoolMetrics
+from .security import BACKEND, FRONTEND, BrokerSecurity, SecurityError
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,15 @@ def _bind(sock: zmq.Socket, endpoint: str, what: str) -> str:
 def serve(config: BrokerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
+    metrics = PoolMetrics()
+    try:  # before any bind: a socket reachable from elsewhere without CURVE is refused here
+        security = BrokerSecurity.start(ctx, config, on_denied=metrics.auth_failed)
+    except SecurityError as e:
+        ctx.term()
+        raise SystemExit(f"tokenbroker: {e}") from None
     runtime_dir = None
     frontend_sock = ctx.socket(zmq.ROUTER)
+    security.apply(frontend_sock, FRONTEND, config.frontend)
     frontend_sock.setsockopt(zmq.LINGER, 1000)
     # Small queues per client: one that sends without reading fills its own queues and then
     # loses its own replies (a ROUTER drops what it cannot queue), never the broker's memory.
@@ -55,6 +63,7 @@ def serve(config: BrokerConfig) -> int:
     backend_sock.setsockopt(zmq.LINGER, 0)
     # No ROUTER_HANDOVER: a connection's identity is its own (workers let ZeroMQ pick one per
     # connection), so no peer can take over another's jobs by claiming its identity.
+    security.apply(backend_sock, BACKEND, config.backend)
     backend_endpoint = config.backend
     if backend_endpoint is None:
         runtime_dir = tempfile.mkdtemp(prefix="tokenbroker-")
@@ -62,11 +71,12 @@ def serve(config: BrokerConfig) -> int:
         backend_endpoint = f"ipc://{runtime_dir}/backend"
     backend_endpoint = _bind(backend_sock, backend_endpoint, "backend")
     wakeup, restore_signals = install_signal_wakeup()
-    metrics = PoolMetrics()
-    supervisor = Supervisor(count=config.workers, connect=backend_endpoint,
-                            worker_argv=[*model_argv(config.models), "--capacity", str(config.worker_capacity)], name_prefix=f"local{os.getpid()}")
+    supervisor = Supervisor(count=config.workers, connect=backend_endpoint, name_prefix=f"local{os.getpid()}",
+                            worker_argv=[*model_argv(config.models), "--capacity", str(config.worker_capacity),
+                                         *security.local_worker_argv(backend_endpoint)])
     broker = Broker(config, Frontend(frontend_sock, max_request_bytes=config.max_request_bytes),
                     Backend(backend_sock), supervisor, metrics, wakeup)
+    broker.on_hangup = security.reload
     code = 0
     try:
         supervisor.start()
@@ -88,6 +98,7 @@ def serve(config: BrokerConfig) -> int:
         restore_signals()
         frontend_sock.close()
         backend_sock.close()
+        security.stop()
         ctx.term()
         if runtime_dir:
             shutil.rmtree(runtime_dir, ignore_errors=True)

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from bisect import bisect_left
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from tokenbroker.common.process import resident_bytes
@@ -213,6 +213,10 @@ class PoolMetrics:
         # the rest of the hop); scrapes copy them, which the GIL makes atomic for dicts of ints.
         self._requests: dict[tuple[str, str], int] = {}
         self._latency: dict[str, list[float]] = {}  # op -> per-bucket counts (not cumulative), then the sum
+        self.auth_failures = Counter("tokenbroker_auth_failures", "CURVE handshakes the broker refused, by socket (docs/security.md)",
+                                     ["socket"], registry=self.registry)
+        for sock in ("frontend", "backend"):
+            self.auth_failures.labels(sock)  # both series exist from the start, at 0
         self.started = time.time()
         self._snapshot: dict = {}
         self._ledger = Ledger(retired_keep)
@@ -250,6 +254,10 @@ class PoolMetrics:
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
             latency.add_metric([op], buckets, sum_value=counts[-1])
         yield latency
+
+    def auth_failed(self, socket: str) -> None:
+        """Called on the ZAP thread (broker/security.py); prometheus-client counters are thread-safe."""
+        self.auth_failures.labels(socket).inc()
 
     def worker_joined(self, name: str) -> None:
         """Nothing to do: a worker's series appear with the next snapshot."""

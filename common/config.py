@@ -61,6 +61,17 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class CurveConfig:
+    """The broker's CURVE flags (docs/security.md); all None: no CURVE."""
+
+    secret_key: str | None = None
+    clients: str | None = None
+    workers: str | None = None
+    admins: str | None = None
+    insecure: bool = False
+
+
+@dataclass(frozen=True)
 class BrokerConfig:
     frontend: str = "tcp://127.0.0.1:5555"
     backend: str | None = None  # None: an ipc:// path in a private runtime dir
@@ -79,6 +90,7 @@ class BrokerConfig:
     worker_capacity: int = 64  # jobs each local worker holds at once
     routing: str = "affinity"  # or "least-loaded": no affinity keys at all (for comparison and debugging)
     models: ModelConfig = field(default_factory=lambda: ModelConfig(models=(ModelSpec(EMBEDDED_DEFAULT_NAME, EMBEDDED_DEFAULT),)))
+    curve: CurveConfig = field(default_factory=CurveConfig)  # broker/security.py reads it
 
 
 @dataclass(frozen=True)
@@ -87,6 +99,8 @@ class WorkerConfig:
     models: ModelConfig
     capacity: int = 64  # jobs held at once: a pipeline deep enough that the worker never waits for the broker
     name: str | None = None
+    curve_server_key: str | None = None  # the broker's public .key (common/curve.py)
+    curve_secret_key: str | None = None  # this worker's own .key_secret
 
 
 # --- argv --------------------------------------------------------------------------------
@@ -266,6 +280,12 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="payload bytes a worker may hold before it is sent more (a huge request holds up its own worker only)")
     p.add_argument("--routing", choices=("affinity", "least-loaded"), default=d.routing,
                    help="affinity: keep a conversation's prefixes on one worker; least-loaded: ignore keys")
+    s = p.add_argument_group("security (docs/security.md)")
+    s.add_argument("--curve-secret-key", metavar="FILE", help="the broker's .key_secret: CURVE on the frontend and a tcp:// backend")
+    s.add_argument("--curve-clients", metavar="DIR", help="admit only clients whose public .key is in DIR (default: any key)")
+    s.add_argument("--curve-workers", metavar="DIR", help="admit only workers whose public .key is in DIR (required for a tcp:// backend)")
+    s.add_argument("--curve-admins", metavar="DIR", help="public .key files of the clients allowed the admin ops")
+    s.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without CURVE")
 
 
 def broker_config_from_args(a: argparse.Namespace) -> BrokerConfig:
@@ -287,6 +307,7 @@ def broker_config_from_args(a: argparse.Namespace) -> BrokerConfig:
         worker_max_bytes=a.worker_max_bytes,
         worker_capacity=a.worker_capacity,
         models=model_config_from_args(a),
+        curve=CurveConfig(a.curve_secret_key, a.curve_clients, a.curve_workers, a.curve_admins, a.insecure),
     )
 
 
@@ -296,7 +317,17 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", type=_positive_int, default=WorkerConfig.capacity,
                    help="jobs the worker holds at once")
     p.add_argument("--name", default=None, help="worker name shown in replies and metrics")
+    p.add_argument("--curve-server-key", metavar="FILE", help="the broker's public .key: connect with CURVE")
+    p.add_argument("--curve-secret-key", metavar="FILE", help="this worker's own .key_secret (its .key is in the broker's --curve-workers)")
 
 
 def worker_config_from_args(a: argparse.Namespace) -> WorkerConfig:
-    return WorkerConfig(connect=a.connect, models=model_config_from_args(a), capacity=a.capacity, name=a.name)
+    from .curve import CurveKeyError, load_client_keys
+
+    try:  # a missing or malformed key file stops the worker here, before it loads a tokenizer
+        if a.curve_server_key or a.curve_secret_key:
+            load_client_keys(a.curve_server_key, a.curve_secret_key, own_key_required=True)
+    except CurveKeyError as e:
+        raise SystemExit(f"tokenbroker: {e}") from None
+    return WorkerConfig(connect=a.connect, models=model_config_from_args(a), capacity=a.capacity, name=a.name,
+                        curve_server_key=a.curve_server_key, curve_secret_key=a.curve_secret_key)

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenbroker.top import add_top_parser
 
     add_top_parser(sub)
+    from tokenbroker.keys import add_keys_parser
+
+    add_keys_parser(sub)
     return parser
 
 
@@ -79,4 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tokenbroker.top import run_top
 
         return run_top(args)
+    if args.command == "keys":
+        from tokenbroker.keys import run_keys
+
+        return run_keys(args)
     raise AssertionError(args.command)

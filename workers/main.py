@@ -32,6 +32,7 @@ import uuid
 import zmq
 
 from tokenbroker.common.config import WorkerConfig
+from tokenbroker.common.curve import apply_client_curve
 from tokenbroker.common.errors import BootError
 from tokenbroker.common.process import resident_bytes
 from tokenbroker.common.protocol import (
@@ -89,6 +90,7 @@ class Worker:
         # A DEALER with no connection (the broker refused our handshake, or is not there yet) would
         # block a send forever: give up after a while instead, so liveness and SIGTERM still work.
         sock.setsockopt(zmq.SNDTIMEO, int(HEARTBEAT_INTERVAL_S * 1000))
+        apply_client_curve(sock, self.config.curve_server_key, self.config.curve_secret_key)  # common/curve.py
         sock.connect(self.config.connect)
         sock.send_multipart([W_READY, self.ready.to_wire()])
         return sock
