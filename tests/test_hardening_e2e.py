@@ -189,3 +189,22 @@ def test_stopped_remote_worker_is_taken_back_when_it_resumes() -> None:
             worker.kill()
         c.close()
         broker.stop()
+
+
+def test_a_client_connected_during_boot_costs_the_broker_nothing() -> None:
+    """Row 13: the frontend is not polled until the workers are ready, so early requests wait."""
+    port = free_port()
+    broker = start_broker("--frontend", f"tcp://127.0.0.1:{port}", workers=1, expect_ready=False)
+    c = Conn(f"tcp://127.0.0.1:{port}")
+    try:
+        for i in range(50):
+            c.send({"id": i, "op": "tokenize", "text": f"early {i}"})
+        replies = {}
+        while len(replies) < 50:
+            r = c.recv(timeout=120)
+            replies[r["id"]] = r
+        assert all(r["ok"] for r in replies.values())
+        assert cpu_seconds(broker.proc.pid) < 0.6  # start and imports take ~0.2 s; a spin during boot took ~0.8 s more
+    finally:
+        c.close()
+        broker.stop()

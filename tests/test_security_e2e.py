@@ -29,6 +29,8 @@ class CurveConn(Conn):
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # A refused handshake can leave the DEALER with no peer, where a send would block forever.
+        self.sock.setsockopt(zmq.SNDTIMEO, int(REFUSED_WAIT_S * 1000))
         apply_client_curve(self.sock, server_key, secret_key)
         self.sock.connect(endpoint)
         self.delimiter = True
@@ -37,7 +39,7 @@ class CurveConn(Conn):
     def answered(self, op: str = "ping", timeout: float = REFUSED_WAIT_S, **fields) -> bool:
         try:
             return bool(self.call(op, timeout=timeout, **fields).get("ok"))
-        except TimeoutError:
+        except (TimeoutError, zmq.Again):
             return False
 
 

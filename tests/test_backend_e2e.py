@@ -1,0 +1,96 @@
+"""Frames from a peer on the backend are untrusted: malformed ones are dropped, names cannot be taken."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+
+import msgpack
+import pytest
+import zmq
+
+from conftest import Conn, free_port, start_broker, wait_until
+from tokenbroker.common.protocol import PROTOCOL_VERSION, W_HEARTBEAT, W_READY, W_RESULTS
+
+
+def ready(name: str, **over) -> bytes:
+    body = {"version": PROTOCOL_VERSION, "capacity": 4, "name": name, "pid": 1, "host": "rogue", "models": ["deepseek"],
+            "incarnation": "f" * 32, **over}
+    return msgpack.packb(body, use_bin_type=True)
+
+
+@pytest.fixture
+def tcp_broker():
+    port = free_port()
+    broker = start_broker("--backend", f"tcp://127.0.0.1:{port}", workers=1)
+    yield broker, f"tcp://127.0.0.1:{port}"
+    broker.stop()
+
+
+def rogue(endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+MALFORMED = {
+    "ready with capacity 0": [W_READY, ready("r0", capacity=0)],
+    "ready with a huge capacity": [W_READY, ready("r1", capacity=10**9)],
+    "ready that is not MessagePack": [W_READY, b"\xc1\xc1"],
+    "ready that is a list": [W_READY, msgpack.packb([1, 2])],
+    "ready with a non-printable name": [W_READY, ready("bad\nname")],
+    "ready with two bodies": [W_READY, ready("r2"), b"x"],
+    "results with a 3-byte header": [W_RESULTS, b"abc", b"payload"],
+    "results with no payload": [W_RESULTS, struct.pack("<QB", 1, 0)],
+    "results with an unknown outcome": [W_RESULTS, struct.pack("<QB", 1, 250), b"\x80"],
+    "heartbeat that is not MessagePack": [W_HEARTBEAT, b"\xc1"],
+    "heartbeat with many frames": [W_HEARTBEAT, b"\x80", b"\x80"],
+    "unknown kind": [b"Z", b"whatever"],
+    "empty message": [b""],
+}
+
+
+@pytest.mark.parametrize("frames", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_backend_frame_leaves_the_broker_serving(tcp_broker, frames: list[bytes]) -> None:
+    broker, backend = tcp_broker
+    c = Conn(broker.endpoint)
+    sock = rogue(backend)
+    try:
+        assert c.call("tokenize", text="before")["ok"]
+        sock.send_multipart(frames)
+        if frames[0] == W_RESULTS:  # also from a peer the broker knows: a READY first, then the bad frame
+            sock.send_multipart([W_READY, ready("known-rogue")])
+            wait_until(lambda: c.call("ping")["workers"] == 2, what="the rogue admitted")
+            sock.send_multipart(frames)
+        for i in range(5):
+            reply = c.call("tokenize", text=f"after {i}", deadline_ms=2000, timeout=30)
+            assert reply["ok"] or reply["error"]["code"] == "timeout"  # a job sent to the silent rogue times out
+        assert broker.proc.poll() is None
+        assert c.call("ping")["workers"] >= 1
+    finally:
+        sock.close()
+        c.close()
+
+
+def test_a_peer_cannot_take_over_a_connected_workers_name(tcp_broker) -> None:
+    broker, backend = tcp_broker
+    port = backend.rsplit(":", 1)[1]
+    worker = subprocess.Popen([sys.executable, "-m", "tokenbroker", "worker", "--connect", backend, "--name", "victim"],
+                              stderr=subprocess.DEVNULL)
+    c = Conn(broker.endpoint)
+    sock = rogue(f"tcp://127.0.0.1:{port}")
+    try:
+        wait_until(lambda: c.call("ping")["workers"] == 2, timeout=60, what="the remote worker")
+        sock.send_multipart([W_READY, ready("victim")])  # same name, another process (incarnation)
+        sock.send_multipart([W_READY, ready("victim", incarnation="")])
+        served_by = {c.call("tokenize", text=f"probe {i}", affinity=f"s{i}")["worker"] for i in range(40)}
+        assert c.call("ping")["workers"] == 2
+        assert "victim" in served_by and sock.poll(500) == 0  # the rogue was given no job
+        assert worker.poll() is None  # and the victim was not replaced or killed
+    finally:
+        worker.kill()
+        worker.wait()
+        sock.close()
+        c.close()
