@@ -149,7 +149,8 @@ def test_an_unavailable_encoding_falls_to_the_loaded_tokenizer_with_a_warning() 
     env = Env(tiktoken_ok=False, tokenizer_map=(("gpt-*", "minilm"),))
     result = count("Hello, world", format="text", model="gpt-4o", env=env)
     assert (result.method, result.vocabulary, result.count) == ("huggingface", "minilm-bert", bert()("Hello, world"))
-    assert result.warnings == ["The tiktoken encoding o200k_base for model 'gpt-4o' is not available here."]
+    assert result.warnings == ["For model 'gpt-4o', the tiktoken encoding o200k_base is not available here: workers load "
+                               "encodings only from local files (tiktoken's cache), never over the network on a request."]
 
 
 def test_claude_counts_with_a_mapped_tokenizer_and_says_it_is_an_estimate() -> None:

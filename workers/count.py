@@ -193,17 +193,21 @@ def resolve_tokenizer(model: str | None, *, strict: bool, env: CountEnv, notes: 
     """The first rung of the ladder that serves `model`; strict refuses to fall below a named model's tokenizer."""
     if model is not None:
         encoding = openai_encoding_for(model)
+        missing = ""
         if encoding is not None:
             encoder = env.tiktoken(encoding)
             if encoder is not None:
                 return _Tokenizer("tiktoken", encoding, encoder)
-            notes.add(f"The tiktoken encoding {encoding} for model {model!r} is not available here.")
+            missing = (f"the tiktoken encoding {encoding} is not available here: workers load encodings only from "
+                       "local files (tiktoken's cache), never over the network on a request")
+            notes.add(f"For model {model!r}, {missing}.")
         loaded = env.loaded(model)
         if loaded is not None:
             vocabulary, method, encoder = loaded
             return _Tokenizer(method, vocabulary, encoder)
         if strict:
-            raise ProtocolError("unknown_model", f"field 'model': no tokenizer is available for {model!r} (strict count)")
+            why = f": {missing}" if missing else ""
+            raise ProtocolError("unknown_model", f"field 'model': no tokenizer is available for {model!r} (strict count){why}")
         notes.add(f"No tokenizer is loaded for model {model!r}.")
     else:
         notes.add("No model was given in the request or in the body.")

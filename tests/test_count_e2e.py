@@ -1,0 +1,75 @@
+"""`count` through a real broker under hostile conditions: no network on the request path, huge image headers.
+
+Issue 11 row 2: a `count` for an OpenAI model whose encoding was not on disk made the worker fetch
+it through tiktoken, with no timeout; behind a proxy that never answers the worker wedged for good.
+Row 8: image header sizes were trusted, so a 2^32-1 square PNG header counted 8e15 tokens and 3,000
+of them made the reply overflow (`internal: OverflowError`).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import socket
+import struct
+import threading
+import zlib
+from collections.abc import Iterator
+
+import pytest
+
+from conftest import serving
+
+
+@contextlib.contextmanager
+def silent_proxy() -> Iterator[str]:
+    """A TCP listener that accepts every connection and never answers: a proxy that hangs its clients."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+        for s in held:
+            s.close()
+        listener.close()
+
+
+def test_count_for_an_openai_model_without_a_local_encoding_never_touches_the_network(monkeypatch, tmp_path):
+    empty_cache = tmp_path / "no-encodings-here"
+    empty_cache.mkdir()
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hello, world!"}]}
+    with silent_proxy() as proxy:
+        for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+            monkeypatch.setenv(var, proxy)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(empty_cache))
+        with serving() as (_, conn):
+            lenient = conn.call("count", body=body, timeout=60)
+            assert lenient["ok"], lenient
+            assert lenient["method"] == "fallback" and lenient["count"] > 0
+            assert any("o200k_base" in w and "local" in w for w in lenient["warnings"]), lenient["warnings"]
+            strict = conn.call("count", body=body, strict=True, timeout=60)
+            assert not strict["ok"] and strict["error"]["code"] == "unknown_model", strict
+            assert "o200k_base" in strict["error"]["message"]
+            # the worker is not wedged: later requests are served
+            for _ in range(3):
+                assert conn.call("tokenize", text="still here", timeout=60)["ok"]
+                assert conn.call("count", body=dict(body, model="gpt-4"), timeout=60)["ok"]
+        assert list(empty_cache.iterdir()) == []  # nothing was downloaded into the cache either
