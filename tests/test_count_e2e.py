@@ -73,3 +73,40 @@ def test_count_for_an_openai_model_without_a_local_encoding_never_touches_the_ne
                 assert conn.call("tokenize", text="still here", timeout=60)["ok"]
                 assert conn.call("count", body=dict(body, model="gpt-4"), timeout=60)["ok"]
         assert list(empty_cache.iterdir()) == []  # nothing was downloaded into the cache either
+
+
+def _png_header(width: int, height: int) -> str:
+    """A PNG signature and IHDR chunk claiming `width` x `height` (all the counter reads), base64."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 6, 0, 0, 0)
+    chunk = struct.pack(">I", len(ihdr)) + b"IHDR" + ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    return base64.b64encode(b"\x89PNG\r\n\x1a\n" + chunk).decode()
+
+
+HUGE = 2**32 - 1
+# (format, model, one message carrying the image, what its provider charges for a square image scaled down)
+_HUGE_IMAGE_BODIES = [
+    ("gemini.generate", "gemini-2.0-flash",
+     lambda b64: {"role": "user", "parts": [{"inlineData": {"mimeType": "image/png", "data": b64}}]}, 258 * 16),  # 4 x 4 tiles
+    ("openai.chat", "gpt-4o",
+     lambda b64: {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}}]},
+     85 + 170 * 4),  # fit in 2048x2048, then 768x768: 2 x 2 tiles
+    ("anthropic.messages", "claude-sonnet-4",
+     lambda b64: {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]},
+     1600),
+]
+
+
+@pytest.mark.parametrize("fmt,model,message,scaled", _HUGE_IMAGE_BODIES, ids=[b[0] for b in _HUGE_IMAGE_BODIES])
+def test_huge_image_headers_are_scaled_like_the_provider_does_and_never_fail_a_count(fmt, model, message, scaled):
+    b64 = _png_header(HUGE, HUGE)
+    key = "contents" if fmt == "gemini.generate" else "messages"
+    one = {key: [message(b64)]}
+    many = {key: [message(b64) for _ in range(3000)]}
+    with serving() as (_, conn):
+        single = conn.call("count", body=one, format=fmt, model=model, timeout=120)
+        assert single["ok"], single
+        assert scaled <= single["count"] <= scaled + 16  # the image as its provider scales it, plus framing
+        lots = conn.call("count", body=many, format=fmt, model=model, timeout=120)
+        assert lots["ok"], lots
+        assert 3000 * scaled <= lots["count"] <= 3000 * (scaled + 16)
+        assert conn.call("tokenize", text="still serving", timeout=60)["ok"]

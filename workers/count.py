@@ -105,6 +105,7 @@ SCHEMA_TOOL_OVERHEAD = 3  # per function definition, Anthropic and Gemini
 ANTHROPIC_TOOL_PROMPT = 346  # Anthropic's published tool-use system prompt (Claude 4 / 3.7), tool_choice auto or none
 ANTHROPIC_TOOL_PROMPT_FORCED = 313  # tool_choice any or tool
 
+MAX_COUNT = 2**53 - 1  # the largest count every client decodes exactly (a JSON number is a double); never reached by a body under --max-request-bytes
 _0301 = re.compile(r"gpt-3\.5-turbo-0301")
 _REASONING = re.compile(r"(?:o1|o3|o4|gpt-5(?:\.\d+)?)(?:-.*)?", re.DOTALL)
 
@@ -350,4 +351,7 @@ def count_request(body: object, *, format: str | None, model: str | None, strict
     else:
         harvest = HARVESTERS[fmt](walk, value)
         count = _count_harvest(harvest, fmt, model, tokenizer.encode, walk)
-    return CountResult(count=max(0, count), method=tokenizer.method, vocabulary=tokenizer.vocabulary, warnings=notes.sentences())
+    if count > MAX_COUNT:
+        notes.add(f"The count exceeds {MAX_COUNT} and was capped there.")
+    return CountResult(count=min(max(0, count), MAX_COUNT), method=tokenizer.method, vocabulary=tokenizer.vocabulary,
+                       warnings=notes.sentences())
