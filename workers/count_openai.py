@@ -1,0 +1,218 @@
+"""OpenAI's framing: how Chat Completions and Responses bodies become prompt tokens.
+
+OpenAI renders function definitions into the system message as TypeScript-like declarations, a
+`namespace functions { ... }` block (parameter types, descriptions as comments, enums, nested objects,
+optional fields), and frames each message with a few tokens. The rules below reproduce every
+published `prompt_tokens` we found (tests/fixtures/count/openai_*.json, each case with its source):
+
+- per message: 3 + role + content + name (+1 with a name; 4 and -1 for gpt-3.5-turbo-0301);
+  every reply is primed with 3 (2 for the o-series and gpt-5). The OpenAI Cookbook.
+- functions/tools given: + tokens(namespace block) + 9; the first system message gains a trailing
+  newline and, when there is one, 4 less (the definitions join that message instead of opening a
+  new one). Measured by hmarr/openai-chat-tokens against the API; it reproduces the Cookbook's
+  four tool cases too.
+- an assistant message's function call: + name + arguments + 3; a `function` message: 2 less
+  (its name stands for the role). hmarr/openai-chat-tokens.
+- a `tool` message: role + the called function's name (found by tool_call_id) + content; the
+  OpenAI community's measured 40 tokens for one call and its result.
+- function_call/tool_choice: "none" + 1, a named function + 4 + name. hmarr/openai-chat-tokens.
+
+Responses items map onto the same rules (instructions a system message, function_call an assistant
+call, function_call_output a tool message); reasoning items of earlier turns are stripped by the
+API (OpenAI Cookbook, "Better performance from reasoning models using the Responses API").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .count_formats import FunctionDef, Harvest
+from .count_walk import Walk
+
+Encoder = Callable[[str], int]
+
+PER_MESSAGE = 3
+PER_NAME = 1
+REPLY_PRIMING = 3
+FUNCTIONS_OVERHEAD = 9  # the definitions' own message framing and header
+SYSTEM_REUSE = -4  # the definitions join an existing system message
+FUNCTION_ROLE = -2  # a `function` message: its name stands for the role
+PER_CALL = 3  # an assistant message's function call
+CHOICE_NONE = 1
+CHOICE_NAMED = 4  # + tokens(name)
+MAX_SCHEMA_DEPTH = 32  # nested object levels rendered; deeper ones render as `any`, with a warning
+
+
+@dataclass(frozen=True)
+class Framing:
+    per_message: int
+    per_name: int
+    per_request: int
+
+
+_0301 = re.compile(r"gpt-3\.5-turbo-0301")
+_REASONING = re.compile(r"(?:o1|o3|o4|gpt-5(?:\.\d+)?)(?:-.*)?", re.DOTALL)
+
+
+def framing_for(model: str) -> Framing:
+    """The message framing of an OpenAI model (`model` normalised).
+
+    >>> framing_for("gpt-4o"), framing_for("gpt-3.5-turbo-0301").per_name, framing_for("o3-mini").per_request
+    (Framing(per_message=3, per_name=1, per_request=3), -1, 2)
+    """
+    framing = Framing(PER_MESSAGE, PER_NAME, REPLY_PRIMING)
+    if _0301.fullmatch(model):
+        framing = Framing(4, -1, REPLY_PRIMING)  # a name replaces the role
+    if _REASONING.fullmatch(model):
+        framing = Framing(framing.per_message, framing.per_name, framing.per_request - 1)
+    return framing
+
+
+# --- the namespace block ----------------------------------------------------------------------------
+
+
+class _Renderer:
+    """Writes function definitions as OpenAI's TypeScript-like declarations, under the count's node budget."""
+
+    def __init__(self, walk: Walk) -> None:
+        self.walk = walk
+        self.cut = False
+
+    def namespace(self, functions: list[FunctionDef]) -> str:
+        lines = ["namespace functions {", ""]
+        for f in functions:
+            if f.description:
+                lines.append(f"// {f.description}")
+            params = f.parameters if isinstance(f.parameters, dict) else {}
+            if isinstance(params.get("properties"), dict) and params["properties"]:
+                lines.append(f"type {f.name} = (_: {{")
+                lines.append(self._properties(params, 0))
+                lines.append("}) => any;")
+            else:
+                lines.append(f"type {f.name} = () => any;")
+            lines.append("")
+        lines.append("} // namespace functions")
+        return "\n".join(lines)
+
+    def _properties(self, obj: dict, indent: int) -> str:
+        """One line per property (`name?: type,`), top-level ones led by their description as a comment."""
+        properties = obj.get("properties")
+        required = obj.get("required") if isinstance(obj.get("required"), list) else []
+        lines: list[str] = []
+        for name, spec in (properties.items() if isinstance(properties, dict) else ()):
+            self.walk.budget -= 1
+            if self.walk.budget < 0:
+                self.cut = True
+                break
+            spec = spec if isinstance(spec, dict) else {}
+            description = spec.get("description")
+            if isinstance(description, str) and description and indent < 2:
+                lines.append(f"// {description}")
+            optional = "" if name in required else "?"
+            lines.append(f"{name}{optional}: {self._type(spec, indent)},")
+        return "\n".join(" " * indent + line for line in lines)
+
+    def _type(self, spec: dict, indent: int) -> str:
+        variants = spec.get("anyOf", spec.get("oneOf"))
+        if isinstance(variants, list) and variants:
+            return " | ".join(self._type(v if isinstance(v, dict) else {}, indent) for v in variants)
+        kind = spec.get("type")
+        if isinstance(kind, list):
+            return " | ".join(self._type({**spec, "type": k}, indent) for k in kind)
+        enum = spec.get("enum")
+        if isinstance(enum, list) and enum and kind in ("string", "number", "integer", None):
+            return " | ".join(_literal(v) for v in enum)
+        if kind == "string":
+            return "string"
+        if kind in ("number", "integer"):
+            return "number"
+        if kind in ("boolean", "null"):
+            return kind
+        if kind == "object":
+            if indent // 2 >= MAX_SCHEMA_DEPTH:
+                self.cut = True
+                return "any"
+            return "\n".join(["{", self._properties(spec, indent + 2), "}"])
+        if kind == "array":
+            items = spec.get("items")
+            return f"{self._type(items, indent)}[]" if isinstance(items, dict) else "any[]"
+        return "any"
+
+
+def _literal(value: Any) -> str:
+    """An enum value as TypeScript writes it: strings quoted, whole floats without `.0`."""
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value) if isinstance(value, (int, float)) else json.dumps(value, default=str)
+
+
+def render_functions(functions: list[FunctionDef], walk: Walk) -> str:
+    """The `namespace functions { ... }` block OpenAI puts in the system message.
+
+    >>> from .count_walk import Notes
+    >>> f = FunctionDef("get_weather", "Weather now.", {"type": "object", "required": ["city"],
+    ...     "properties": {"city": {"type": "string", "description": "City name"}, "unit": {"type": "string", "enum": ["c", "f"]}}})
+    >>> print(render_functions([f], Walk(Notes())))
+    namespace functions {
+    <BLANKLINE>
+    // Weather now.
+    type get_weather = (_: {
+    // City name
+    city: string,
+    unit?: "c" | "f",
+    }) => any;
+    <BLANKLINE>
+    } // namespace functions
+    """
+    renderer = _Renderer(walk)
+    text = renderer.namespace(functions)
+    if renderer.cut:
+        walk.notes.add("The tool definitions are too large or too deep to render fully: some of them were not counted.")
+    return text
+
+
+# --- the count --------------------------------------------------------------------------------------
+
+
+RESPONSE_FORMAT_HEADER = "# Response Formats\n\n## {name}\n\n"
+
+
+def openai_tokens(h: Harvest, model: str, encode: Encoder, walk: Walk) -> int:
+    """The prompt tokens of an OpenAI body's messages, definitions and choices (`model` normalised); images apart."""
+    framing = framing_for(model)
+    with_functions = bool(h.functions)
+    padded = False
+    n = framing.per_request
+    for m in h.messages:
+        texts = m.texts
+        if with_functions and not padded and m.role in ("system", "developer") and m.content_at is not None:
+            texts = list(texts)
+            texts[m.content_at] += "\n"
+            padded = True
+        n += framing.per_message + sum(encode(t) for t in texts if t)
+        if m.named:
+            n += framing.per_name
+        if m.role == "function":
+            n += FUNCTION_ROLE
+        n += PER_CALL * m.calls
+    if with_functions:
+        n += encode(render_functions(h.functions, walk)) + FUNCTIONS_OVERHEAD
+        if any(m.role in ("system", "developer") for m in h.messages):
+            n += SYSTEM_REUSE
+    if h.choice == "none":
+        n += CHOICE_NONE
+    elif h.choice_name is not None:
+        n += CHOICE_NAMED + encode(h.choice_name)
+    if h.response_format is not None:
+        name, schema = h.response_format
+        n += encode(RESPONSE_FORMAT_HEADER.format(name=name) + walk.to_json(schema))
+        walk.notes.add("A structured output schema is counted as its JSON under a response-format header, an estimate.")
+    return n
