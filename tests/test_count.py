@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.workers.count import CountResult, count_request, estimate_tokens
+from tokenbroker.workers.count import GEMINI_ESTIMATE, CountResult, count_request, estimate_tokens
 from tokenbroker.workers.modelmap import TokenizerMap
 
 
@@ -189,7 +190,8 @@ def test_an_unknown_model_falls_to_the_embedded_fallback_with_warnings() -> None
     assert result.warnings == [
         "No tokenizer is loaded for model 'gemini-2.5-pro'.",
         "Counted with the embedded fallback tokenizer 'deepseek', an approximation.",
-        "Google does not publish Gemini's tokenizer: this count is an estimate.",
+        "Google does not publish Gemini's tokenizer: this count is an estimate "
+        "(map gemini-* to a Gemma tokenizer with --tokenizer-map: Gemini shares Gemma's vocabulary).",
     ]
 
 
@@ -362,3 +364,44 @@ def test_without_strict_count_never_fails_on_any_body(body: dict, fmt: str | Non
 def test_the_estimate_is_code_points_over_two_rounded_up(text: str) -> None:
     assert estimate_tokens(text) == math.ceil(len(text) / 2)
     assert count(text, format="text", model="unknown", env=Env(fallback=False)).count == math.ceil(len(text) / 2)
+
+
+# --- Gemini: Google counts the text and nothing else ---------------------------------------------
+
+GEMINI = json.loads((FIXTURES / "count" / "gemini_counts.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", GEMINI, ids=[c["id"] for c in GEMINI])
+def test_gemini_counts_only_the_text_of_its_contents(case: dict) -> None:
+    env = Env(tokenizer_map=(("gemini-*", "deepseek"),))
+    texts = [p["text"] for c in case["body"]["contents"] for p in c["parts"]]
+    assert count(case["body"], format=case["format"], model=case["model"], env=env).count == sum(deepseek()(t) for t in texts)
+
+
+def test_the_published_gemini_turn_costs_exactly_its_text() -> None:
+    """Google's 10 -> 17 for one more turn: the turn's text (7 tokens in any of our tokenizers) and no framing."""
+    history, longer = GEMINI[1], GEMINI[2]
+    added = longer["body"]["contents"][-1]["parts"][0]["text"]
+    env = Env(tokenizer_map=(("gemini-*", "deepseek"),))
+    ours = count(longer["body"], format="gemini.generate", model="gemini-1.5-flash", env=env).count - \
+        count(history["body"], format="gemini.generate", model="gemini-1.5-flash", env=env).count
+    assert ours == deepseek()(added) == longer["published_tokens"] - history["published_tokens"]
+
+
+@pytest.mark.skipif(not os.environ.get("TOKENBROKER_GEMMA_TOKENIZER"), reason="needs a Gemma tokenizer.json (TOKENBROKER_GEMMA_TOKENIZER)")
+@pytest.mark.parametrize("case", GEMINI, ids=[c["id"] for c in GEMINI])
+def test_gemini_counts_equal_googles_published_counts_with_a_gemma_tokenizer(case: dict) -> None:
+    gemma = hf_encoder(os.environ["TOKENBROKER_GEMMA_TOKENIZER"])
+    env = Env(tokenizer_map=(("gemini-*", "gemma"),))
+    env.models["gemma"] = ("gemma-3", lambda: gemma)
+    result = count(case["body"], format=case["format"], model=case["model"], env=env, strict=True)
+    assert (result.count, result.warnings) == (case["published_tokens"], [])
+
+
+def test_a_gemini_model_mapped_to_a_gemma_tokenizer_is_not_called_an_estimate() -> None:
+    """Gemini shares Gemma's vocabulary: the text count is exact, so only a non-Gemma tokenizer gets the warning."""
+    env = Env(tokenizer_map=(("gemini-*", "gemma"), ("gemini-1.0-*", "deepseek")))
+    env.models["gemma"] = ("gemma-3-tokenizer", deepseek)  # the name is what tells; the vocabulary here is a stand-in
+    body = {"contents": [{"parts": [{"text": "Hello"}]}]}
+    assert count(body, format="gemini.generate", model="gemini-2.0-flash", env=env).warnings == []
+    assert count(body, format="gemini.generate", model="gemini-1.0-pro", env=env).warnings == [GEMINI_ESTIMATE]

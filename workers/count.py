@@ -38,6 +38,8 @@ from .count_openai import openai_tokens
 from .count_walk import Notes, Walk
 from .modelmap import normalise_openai_model, openai_encoding_for
 
+OPENAI_ENCODINGS = frozenset({"o200k_base", "o200k_harmony", "cl100k_base"})  # the ladder's first rung serves only these
+
 __all__ = ["Encoder", "CountEnv", "CountResult", "count_request", "openai_encoding_for", "FORMATS"]
 
 Encoder = Callable[[str], int]
@@ -114,12 +116,22 @@ def estimate_tokens(text: str) -> int:
     return (len(text) + 1) // 2
 
 
-def _vendor_note(model: str | None, fmt: str) -> str | None:
+GEMINI_ESTIMATE = ("Google does not publish Gemini's tokenizer: this count is an estimate "
+                   "(map gemini-* to a Gemma tokenizer with --tokenizer-map: Gemini shares Gemma's vocabulary).")
+
+
+def _vendor_note(model: str | None, fmt: str, tokenizer: _Tokenizer) -> str | None:
+    """Why a Claude or Gemini count is an estimate; None when it is not one.
+
+    Gemini shares Gemma's vocabulary (Google's Gemma 3 report), so a Gemini model counted with a
+    loaded tokenizer whose name says Gemma counts its text exactly.
+    """
     name = normalise_openai_model(model) if model else ""
     if name.startswith("claude") or (not model and fmt == "anthropic.messages"):
         return "Anthropic does not publish Claude's tokenizer: this count is an estimate."
     if name.startswith("gemini") or (not model and fmt == "gemini.generate"):
-        return "Google does not publish Gemini's tokenizer: this count is an estimate."
+        loaded = tokenizer.method in ("huggingface", "tiktoken") and "gemma" in (tokenizer.vocabulary or "").lower()
+        return None if loaded else GEMINI_ESTIMATE
     return None
 
 
@@ -232,6 +244,8 @@ def _count_harvest(h: Harvest, fmt: str, model: str | None, encode: Encoder, wal
         n = framing.per_request + sum(framing.per_message + sum(encode(t) for t in m.texts if t) for m in h.messages)
         overhead = SCHEMA_TOOL_OVERHEAD if fmt == "anthropic.messages" else 0
         n += schema_tool_tokens(h.functions, encode, walk, overhead=overhead)
+        if fmt == "gemini.generate" and h.functions:
+            walk.notes.add("Gemini function declarations are counted as their name, description and JSON schema, an estimate.")
     if fmt == "anthropic.messages" and h.tools_given:
         n += ANTHROPIC_TOOL_PROMPT_FORCED if h.tool_choice_forced else ANTHROPIC_TOOL_PROMPT
     return n + image_tokens(h.images, fmt, name, walk.notes)
@@ -261,8 +275,8 @@ def count_request(body: object, *, format: str | None, model: str | None, strict
         else:
             fmt = detected
     tokenizer = resolve_tokenizer(model, strict=strict, env=env, notes=notes)
-    vendor = _vendor_note(model, fmt)
-    if vendor and tokenizer.method != "tiktoken":
+    vendor = _vendor_note(model, fmt, tokenizer)
+    if vendor and tokenizer.vocabulary not in OPENAI_ENCODINGS:
         notes.add(vendor)
     if isinstance(value, str):
         count = tokenizer.encode(value) if value else 0
