@@ -235,8 +235,13 @@ def test_chat_images_follow_openai_rules_and_base64_is_never_text() -> None:
     assert delta("openai.chat", CHAT, chat_with(image(data)), model="gpt-4o-mini")[0] == empty + 2833 + 4 * 5667
     cost, warnings = delta("openai.chat", CHAT, chat_with(image("https://example.com/cat.jpg")))
     assert cost == empty + 765
-    assert warnings == ["An image whose size the body does not give was counted as a 1024x1024 image (765 tokens), an estimate."]
+    assert warnings == ["An image whose size could not be read (a URL, a file, or data that is not PNG, GIF, WebP or JPEG) "
+                        "was counted as a 1024x1024 image (765 tokens), an estimate."]
     assert delta("openai.chat", CHAT, chat_with(image("https://example.com/cat.jpg", "low"))) == (empty + 85, [])
+    cost, warnings = delta("openai.chat", CHAT, chat_with(image("data:image/heic;base64,AAAAGGZ0eXBoZWlj", "high")))
+    assert cost == empty + 765 and "at detail 'high' (765 tokens)" in warnings[0]  # bytes it cannot size: still an image
+    other = {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png", "detail": "low"}]}
+    assert delta("openai.chat", CHAT, chat_with(other)) == (empty + 85, [])  # another API's spelling is an image too
 
 
 # --- openai.responses ------------------------------------------------------------------------------
@@ -332,7 +337,8 @@ def test_anthropic_images_use_the_published_rule() -> None:
     assert delta("anthropic.messages", ANT, ant_with({"role": "user", "content": [{"type": "image", "source": source}]}))[0] == 3 + 1334
     url = {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://x.y/a.png"}}]}
     assert delta("anthropic.messages", ANT, ant_with(url)) == (
-        3 + 1399, ["An image whose size the body does not give was counted as a 1024x1024 image (1399 tokens), an estimate."])
+        3 + 1399, ["An image whose size could not be read (a URL, a file, or data that is not PNG, GIF, WebP or JPEG) "
+                        "was counted as a 1024x1024 image (1399 tokens), an estimate."])
 
 
 def test_anthropic_tools_cost_their_schema_and_the_tool_use_system_prompt() -> None:

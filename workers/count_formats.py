@@ -115,14 +115,26 @@ def _chat_content(walk: Walk, content: Any, h: Harvest) -> str:
             texts.append(_s(part.get("text")) or "")
         elif kind == "refusal":
             texts.append(_s(part.get("refusal")) or "")
-        elif kind == "image_url":
-            ref = part.get("image_url")
-            h.images.append(url_image(ref.get("url"), ref.get("detail")) if isinstance(ref, dict) else url_image(ref))
+        elif isinstance(kind, str) and "image" in kind:  # image_url, and the spellings of other APIs
+            h.images.append(_part_image(part))
         elif kind in ("input_audio", "file"):
             walk.notes.add(f"Content parts of type '{kind}' are not counted (audio and files are not text).")
         else:
             walk.notes.add(f"A content part of type {kind!r} was not recognised and not counted.")
     return "".join(texts)
+
+
+def _part_image(part: dict) -> Image:
+    """An image part of any OpenAI spelling: `image_url` as a str or {url, detail}, or `url`/`file_id` with `detail`.
+
+    An image is charged even when nothing tells its size: it is never counted as nothing.
+    """
+    ref = part.get("image_url")
+    detail = part.get("detail")
+    if isinstance(ref, dict):
+        detail = ref.get("detail", detail)
+        ref = ref.get("url")
+    return url_image(ref if ref is not None else part.get("url"), detail)
 
 
 def _tool_call_texts(walk: Walk, call: Any) -> list[str]:
@@ -228,8 +240,8 @@ def _responses_parts(walk: Walk, content: Any, h: Harvest) -> str:
             texts.append(_s(part.get("text")) or "")
         elif kind == "refusal":
             texts.append(_s(part.get("refusal")) or "")
-        elif kind == "input_image":
-            h.images.append(url_image(part.get("image_url"), part.get("detail")))
+        elif isinstance(kind, str) and "image" in kind:  # input_image, and chat's image_url
+            h.images.append(_part_image(part))
         elif kind in ("input_file", "input_audio"):
             walk.notes.add(f"Content parts of type '{kind}' are not counted (audio and files are not text).")
         else:

@@ -211,5 +211,7 @@ def image_tokens(images: list[Image], fmt: str, model: str, notes: Notes) -> int
         else:
             estimate = rule(*UNKNOWN_IMAGE_SIZE, img.detail)
             total += estimate
-            notes.add(f"An image whose size the body does not give was counted as a 1024x1024 image ({estimate} tokens), an estimate.")
+            level = f" at detail {img.detail!r}" if fmt.startswith("openai.") and img.detail else ""
+            notes.add(f"An image whose size could not be read (a URL, a file, or data that is not PNG, GIF, WebP or JPEG) "
+                      f"was counted as a 1024x1024 image{level} ({estimate} tokens), an estimate.")
     return total
