@@ -110,3 +110,16 @@ def test_huge_image_headers_are_scaled_like_the_provider_does_and_never_fail_a_c
         assert lots["ok"], lots
         assert 3000 * scaled <= lots["count"] <= 3000 * (scaled + 16)
         assert conn.call("tokenize", text="still serving", timeout=60)["ok"]
+
+
+def test_published_function_tool_and_responses_counts_through_the_broker():
+    """The fixture's published counts, answered by a real worker whose encodings come from local files."""
+    import json
+    from pathlib import Path
+
+    cases = json.loads((Path(__file__).parent / "fixtures" / "count" / "openai_function_counts.json").read_text())
+    with serving() as (_, conn):
+        for case in cases:
+            reply = conn.call("count", body=case["body"], format=case["format"], model=case["model"], strict=True, timeout=60)
+            assert reply["ok"], (case["id"], reply)
+            assert (reply["count"], reply["method"], reply["warnings"]) == (case["published_tokens"], "tiktoken", []), case["id"]
