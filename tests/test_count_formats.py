@@ -485,3 +485,17 @@ def test_anthropic_server_tools_search_results_content_documents_and_tool_result
 
 def test_gemini_cached_content_is_not_counted() -> None:
     assert delta("gemini.generate", GEM, gem_with(cachedContent="cachedContents/abc")) == (0, ["Cached content referenced by cachedContent is not counted."])
+
+
+def test_deep_or_huge_tool_schemas_render_bounded_with_a_warning() -> None:
+    deep: dict = {"type": "string"}
+    for i in range(5000):  # alternating unions, arrays and objects, deeper than any recursion limit
+        deep = [{"anyOf": [deep]}, {"type": "array", "items": deep}, {"type": "object", "properties": {"p": deep}}][i % 3]
+    f = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": deep}}}}
+    result = count(chat_with(tools=[f]), "openai.chat")
+    assert result.count > 0
+    assert "The tool definitions are too large or too deep to render fully: some of them were not counted." in result.warnings
+    wide = {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {
+        f"p{i}": {"anyOf": [{"type": "string"}] * 50} for i in range(10_000)}}}}
+    result = count(chat_with(tools=[wide]), "openai.chat")
+    assert "The tool definitions are too large or too deep to render fully: some of them were not counted." in result.warnings

@@ -44,7 +44,7 @@ FUNCTION_ROLE = -2  # a `function` message: its name stands for the role
 PER_CALL = 3  # an assistant message's function call
 CHOICE_NONE = 1
 CHOICE_NAMED = 4  # + tokens(name)
-MAX_SCHEMA_DEPTH = 32  # nested object levels rendered; deeper ones render as `any`, with a warning
+MAX_SCHEMA_DEPTH = 32  # nesting levels (objects, unions, arrays) rendered; deeper ones render as `any`, with a warning
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class _Renderer:
             params = f.parameters if isinstance(f.parameters, dict) else {}
             if isinstance(params.get("properties"), dict) and params["properties"]:
                 lines.append(f"type {f.name} = (_: {{")
-                lines.append(self._properties(params, 0))
+                lines.append(self._properties(params, 0, 0))
                 lines.append("}) => any;")
             else:
                 lines.append(f"type {f.name} = () => any;")
@@ -98,7 +98,7 @@ class _Renderer:
         lines.append("} // namespace functions")
         return "\n".join(lines)
 
-    def _properties(self, obj: dict, indent: int) -> str:
+    def _properties(self, obj: dict, indent: int, depth: int) -> str:
         """One line per property (`name?: type,`), top-level ones led by their description as a comment."""
         properties = obj.get("properties")
         required = obj.get("required") if isinstance(obj.get("required"), list) else []
@@ -113,16 +113,21 @@ class _Renderer:
             if isinstance(description, str) and description and indent < 2:
                 lines.append(f"// {description}")
             optional = "" if name in required else "?"
-            lines.append(f"{name}{optional}: {self._type(spec, indent)},")
+            lines.append(f"{name}{optional}: {self._type(spec, indent, depth + 1)},")
         return "\n".join(" " * indent + line for line in lines)
 
-    def _type(self, spec: dict, indent: int) -> str:
+    def _type(self, spec: dict, indent: int, depth: int) -> str:
+        """A property's type; `depth` counts every nesting (objects, unions, arrays) so none recurses unbounded."""
+        self.walk.budget -= 1
+        if depth >= MAX_SCHEMA_DEPTH or self.walk.budget < 0:
+            self.cut = True
+            return "any"
         variants = spec.get("anyOf", spec.get("oneOf"))
         if isinstance(variants, list) and variants:
-            return " | ".join(self._type(v if isinstance(v, dict) else {}, indent) for v in variants)
+            return " | ".join(self._type(v if isinstance(v, dict) else {}, indent, depth + 1) for v in variants)
         kind = spec.get("type")
         if isinstance(kind, list):
-            return " | ".join(self._type({**spec, "type": k}, indent) for k in kind)
+            return " | ".join(self._type({**spec, "type": k}, indent, depth + 1) for k in kind if not isinstance(k, list))
         enum = spec.get("enum")
         if isinstance(enum, list) and enum and kind in ("string", "number", "integer", None):
             return " | ".join(_literal(v) for v in enum)
@@ -133,13 +138,10 @@ class _Renderer:
         if kind in ("boolean", "null"):
             return kind
         if kind == "object":
-            if indent // 2 >= MAX_SCHEMA_DEPTH:
-                self.cut = True
-                return "any"
-            return "\n".join(["{", self._properties(spec, indent + 2), "}"])
+            return "\n".join(["{", self._properties(spec, indent + 2, depth), "}"])
         if kind == "array":
             items = spec.get("items")
-            return f"{self._type(items, indent)}[]" if isinstance(items, dict) else "any[]"
+            return f"{self._type(items, indent, depth + 1)}[]" if isinstance(items, dict) else "any[]"
         return "any"
 
 
