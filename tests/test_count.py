@@ -40,6 +40,9 @@ COOKBOOK = json.loads((FIXTURES / "count" / "openai_cookbook_counts.json").read_
 # hmarr/openai-chat-tokens' API-checked cases (functions, function_call, function messages), the OpenAI
 # community's measured tool call and result, the Cookbook's Responses case: each with its source.
 PUBLISHED = json.loads((FIXTURES / "count" / "openai_function_counts.json").read_text())
+# usage the OpenAI API reported for real requests, recorded by pydantic-ai's VCR tests (chat and Responses:
+# tools, tool calls and results, structured outputs, reasoning models), each with the cassette it comes from.
+RECORDED = json.loads((FIXTURES / "count" / "openai_recorded_usage.json").read_text())
 
 
 @lru_cache(maxsize=None)
@@ -110,6 +113,13 @@ def test_count_equals_published_prompt_tokens_for_functions_tools_and_responses(
     assert result.count == case["published_tokens"]
     assert result.method == "tiktoken"
     assert result.warnings == []
+
+
+@pytest.mark.parametrize("case", RECORDED, ids=[c["id"] for c in RECORDED])
+def test_count_equals_the_usage_recorded_from_the_api(case: dict) -> None:
+    assert case["source"]
+    result = count(case["body"], format=case["format"], model=case["model"])
+    assert (result.count, result.method, result.warnings) == (case["published_tokens"], "tiktoken", [])
 
 
 @pytest.mark.parametrize("case", COOKBOOK, ids=[c["id"] for c in COOKBOOK])

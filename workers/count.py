@@ -238,7 +238,7 @@ def _format(value: dict, fmt: str | None, model: str | None, walk: Walk) -> str 
 def _count_harvest(h: Harvest, fmt: str, model: str | None, encode: Encoder, walk: Walk) -> int:
     name = normalise_openai_model(model) if model else ""
     if fmt.startswith("openai."):
-        n = openai_tokens(h, name, encode, walk)
+        n = openai_tokens(h, name, encode, walk, api=fmt.removeprefix("openai."))
     else:
         framing = FRAMING[fmt]
         n = framing.per_request + sum(framing.per_message + sum(encode(t) for t in m.texts if t) for m in h.messages)

@@ -54,7 +54,7 @@ class Harvest:
     tools_given: bool = False
     choice: str | None = None  # OpenAI tool_choice/function_call given as a string ("none", "auto", "required")
     choice_name: str | None = None  # OpenAI tool_choice/function_call naming one function
-    response_format: tuple[str, Any] | None = None  # OpenAI structured output: (name, JSON schema)
+    response_format: tuple[str, str, Any] | None = None  # OpenAI structured output: (name, description, JSON schema)
 
 
 # --- small typed readers ---------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def _response_format(value: Any, h: Harvest) -> None:
     if value.get("type") != "json_schema":
         return
     spec = _dict(value.get("json_schema")) if "json_schema" in value else value
-    h.response_format = (_s(spec.get("name")) or "", spec.get("schema"))
+    h.response_format = (_s(spec.get("name")) or "", _s(spec.get("description")) or "", spec.get("schema"))
 
 
 def _tool_message(walk: Walk, role: str, called: str | None, content: str) -> Message:
@@ -284,7 +284,7 @@ def _item_kind(item: dict) -> Any:
 def harvest_openai_responses(walk: Walk, body: dict) -> Harvest:
     h = Harvest()
     instructions = body.get("instructions")
-    if isinstance(instructions, str):
+    if isinstance(instructions, str) and instructions:  # "" is no instructions
         h.messages.append(Message(texts=["system", instructions], role="system", content_at=1))
     items = body.get("input")
     if isinstance(items, str):

@@ -32,6 +32,7 @@ from typing import Any
 
 from .count_formats import FunctionDef, Harvest
 from .count_walk import Walk
+from .modelmap import openai_encoding_for
 
 Encoder = Callable[[str], int]
 
@@ -42,6 +43,10 @@ FUNCTIONS_OVERHEAD = 9  # the definitions' own message framing and header
 SYSTEM_REUSE = -4  # the definitions join an existing system message
 FUNCTION_ROLE = -2  # a `function` message: its name stands for the role
 PER_CALL = 3  # an assistant message's function call
+CHAT_TOOL_RESULT_O200K = 2  # a chat `tool` message, for the o200k families (recorded usage; cl100k: 0, the community's 40)
+RESPONSES_FUNCTIONS_OVERHEAD = 3  # Responses: the definitions' framing (recorded usage), with no system-message rule
+RESPONSES_REASONING_EXTRA = 5  # ... and 5 more for the o-series and gpt-5 (recorded usage)
+ALL_REQUIRED_DISCOUNT = 1  # gpt-4o families: one less per function whose properties are all required, none described (recorded usage; cause unknown)
 CHOICE_NONE = 1
 CHOICE_NAMED = 4  # + tokens(name)
 MAX_SCHEMA_DEPTH = 32  # nesting levels (objects, unions, arrays) rendered; deeper ones render as `any`, with a warning
@@ -184,37 +189,109 @@ def render_functions(functions: list[FunctionDef], walk: Walk) -> str:
 # --- the count --------------------------------------------------------------------------------------
 
 
-RESPONSE_FORMAT_HEADER = "# Response Formats\n\n## {name}\n\n"
+SCHEMA_KEYWORDS_DROPPED = frozenset({"additionalProperties", "required"})  # not rendered in a response format
 
 
-def openai_tokens(h: Harvest, model: str, encode: Encoder, walk: Walk) -> int:
-    """The prompt tokens of an OpenAI body's messages, definitions and choices (`model` normalised); images apart."""
+def render_response_format(name: str, description: str, schema: Any, walk: Walk, *, joined: bool) -> str:
+    """A JSON-schema structured output as OpenAI puts it in the system message (recorded usage, both APIs).
+
+    `# Response Formats`, `## NAME`, the description as a `//` line, then the schema's compact JSON
+    without `additionalProperties` and `required`; after a blank line when it joins tool definitions
+    or a system message.
+
+    >>> from .count_walk import Notes
+    >>> schema = {"type": "object", "properties": {"required": {"type": "string"}}, "required": ["required"], "additionalProperties": False}
+    >>> render_response_format("reply", "", schema, Walk(Notes()), joined=False)
+    '# Response Formats\n\n## reply\n\n{"type":"object","properties":{"required":{"type":"string"}}}'
+    """
+    comment = f"// {description}\n" if description else ""
+    prefix = "\n\n" if joined else ""
+    return f"{prefix}# Response Formats\n\n## {name}\n\n{comment}{walk.to_json(_without_keywords(schema, walk))}"
+
+
+def _without_keywords(schema: Any, walk: Walk, depth: int = 0) -> Any:
+    """A copy of `schema` without the dropped keywords (property names are kept); deeper than
+    MAX_SCHEMA_DEPTH levels, or past the node budget, the rest is kept as it is."""
+    if depth >= MAX_SCHEMA_DEPTH or walk.budget <= 0:
+        return schema
+    walk.budget -= 1
+    if isinstance(schema, list):
+        return [_without_keywords(v, walk, depth + 1) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in SCHEMA_KEYWORDS_DROPPED:
+            continue
+        if key == "properties" and isinstance(value, dict):  # property names are names, not keywords
+            out[key] = {k: _without_keywords(v, walk, depth + 1) for k, v in value.items()}
+        else:
+            out[key] = _without_keywords(value, walk, depth + 1)
+    return out
+
+
+def _plain_required(f: FunctionDef) -> bool:
+    """A function whose properties are all required and none has a description (see ALL_REQUIRED_DISCOUNT)."""
+    params = f.parameters if isinstance(f.parameters, dict) else {}
+    properties, required = params.get("properties"), params.get("required")
+    if not isinstance(properties, dict) or not properties or not isinstance(required, list):
+        return False
+    if any(isinstance(spec, dict) and spec.get("description") for spec in properties.values()):
+        return False
+    try:
+        return set(properties) <= set(required)
+    except TypeError:  # unhashable entries in `required`: not a list of names
+        return False
+
+
+def definitions_tokens(h: Harvest, model: str, encode: Encoder, walk: Walk, *, chat: bool) -> int:
+    """The function definitions' block and its framing (`model` normalised)."""
+    if not h.functions:
+        return 0
+    n = encode(render_functions(h.functions, walk))
+    if chat:
+        n += FUNCTIONS_OVERHEAD
+        if any(m.role in ("system", "developer") for m in h.messages):
+            n += SYSTEM_REUSE
+    else:
+        n += RESPONSES_FUNCTIONS_OVERHEAD + (RESPONSES_REASONING_EXTRA if _REASONING.fullmatch(model) else 0)
+    if openai_encoding_for(model) != "cl100k_base":  # the gpt-4o families
+        n -= ALL_REQUIRED_DISCOUNT * sum(1 for f in h.functions if _plain_required(f))
+    return n
+
+
+def openai_tokens(h: Harvest, model: str, encode: Encoder, walk: Walk, *, api: str) -> int:
+    """The prompt tokens of an OpenAI body's messages, definitions and choices; images apart.
+
+    `model` is normalised; `api` is "chat" or "responses", which frame tool definitions and tool
+    results differently.
+    """
     framing = framing_for(model)
-    with_functions = bool(h.functions)
-    padded = False
+    chat = api == "chat"
+    # chat adds a newline to the first system message when there are definitions; Responses does not
+    pad = chat and bool(h.functions)
+    tool_result = CHAT_TOOL_RESULT_O200K if chat and openai_encoding_for(model) != "cl100k_base" else 0
     n = framing.per_request
     for m in h.messages:
         texts = m.texts
-        if with_functions and not padded and m.role in ("system", "developer") and m.content_at is not None:
+        if pad and m.role in ("system", "developer") and m.content_at is not None:
             texts = list(texts)
             texts[m.content_at] += "\n"
-            padded = True
+            pad = False
         n += framing.per_message + sum(encode(t) for t in texts if t)
         if m.named:
             n += framing.per_name
         if m.role == "function":
             n += FUNCTION_ROLE
+        if m.role == "tool":
+            n += tool_result
         n += PER_CALL * m.calls
-    if with_functions:
-        n += encode(render_functions(h.functions, walk)) + FUNCTIONS_OVERHEAD
-        if any(m.role in ("system", "developer") for m in h.messages):
-            n += SYSTEM_REUSE
+    n += definitions_tokens(h, model, encode, walk, chat=chat)
     if h.choice == "none":
         n += CHOICE_NONE
     elif h.choice_name is not None:
         n += CHOICE_NAMED + encode(h.choice_name)
     if h.response_format is not None:
-        name, schema = h.response_format
-        n += encode(RESPONSE_FORMAT_HEADER.format(name=name) + walk.to_json(schema))
-        walk.notes.add("A structured output schema is counted as its JSON under a response-format header, an estimate.")
+        joined = bool(h.functions) or any(m.role in ("system", "developer") for m in h.messages)
+        n += encode(render_response_format(*h.response_format, walk, joined=joined))
     return n
