@@ -193,7 +193,7 @@ SCHEMA_KEYWORDS_DROPPED = frozenset({"additionalProperties", "required"})  # not
 
 
 def render_response_format(name: str, description: str, schema: Any, walk: Walk, *, joined: bool) -> str:
-    """A JSON-schema structured output as OpenAI puts it in the system message (recorded usage, both APIs).
+    r"""A JSON-schema structured output as OpenAI puts it in the system message (recorded usage, both APIs).
 
     `# Response Formats`, `## NAME`, the description as a `//` line, then the schema's compact JSON
     without `additionalProperties` and `required`; after a blank line when it joins tool definitions
