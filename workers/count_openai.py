@@ -2,24 +2,24 @@
 
 OpenAI renders function definitions into the system message as TypeScript-like declarations, a
 `namespace functions { ... }` block (parameter types, descriptions as comments, enums, nested objects,
-optional fields), and frames each message with a few tokens. The rules below reproduce every
-published `prompt_tokens` we found (tests/fixtures/count/openai_*.json, each case with its source):
+optional fields), structured outputs as a `# Response Formats` block, and frames each message with
+a few tokens. Every rule comes from published or recorded usage (tests/fixtures/count/openai_*.json,
+each case with its source; docs/counting.md says which rule comes from where):
 
-- per message: 3 + role + content + name (+1 with a name; 4 and -1 for gpt-3.5-turbo-0301);
-  every reply is primed with 3 (2 for the o-series and gpt-5). The OpenAI Cookbook.
-- functions/tools given: + tokens(namespace block) + 9; the first system message gains a trailing
-  newline and, when there is one, 4 less (the definitions join that message instead of opening a
-  new one). Measured by hmarr/openai-chat-tokens against the API; it reproduces the Cookbook's
-  four tool cases too.
-- an assistant message's function call: + name + arguments + 3; a `function` message: 2 less
-  (its name stands for the role). hmarr/openai-chat-tokens.
-- a `tool` message: role + the called function's name (found by tool_call_id) + content; the
-  OpenAI community's measured 40 tokens for one call and its result.
-- function_call/tool_choice: "none" + 1, a named function + 4 + name. hmarr/openai-chat-tokens.
-
-Responses items map onto the same rules (instructions a system message, function_call an assistant
-call, function_call_output a tool message); reasoning items of earlier turns are stripped by the
-API (OpenAI Cookbook, "Better performance from reasoning models using the Responses API").
+- per message: 3 + role + content + name (+1 with a name; 4 and -1 for gpt-3.5-turbo-0301); every
+  reply is primed with 3 (2 for the o-series and gpt-5). The OpenAI Cookbook.
+- chat with definitions: + the namespace block + 9; the first system message gains a trailing
+  newline and, when there is one, 4 less. hmarr/openai-chat-tokens, and the Cookbook's tool cases.
+- Responses with definitions: + the block + 3 (8 for the o-series and gpt-5), no system-message
+  rule. Recorded usage (pydantic-ai's cassettes).
+- gpt-4o families, both APIs: 1 less per function whose properties are all required and none has
+  a description. Recorded usage; the cause is not known.
+- an assistant's function call: name + arguments + 3; a `function` message: 2 less;
+  tool_choice "none" +1, a named function +4 + name. hmarr/openai-chat-tokens.
+- a tool result: role + the called function's name + content; in chat on the gpt-4o families 2
+  more. The OpenAI community's 40 (gpt-3.5-turbo) and recorded usage.
+- structured outputs: `# Response Formats`, `## NAME`, `// description`, the schema's compact JSON
+  without `additionalProperties` and `required`. Recorded usage, both APIs.
 """
 
 from __future__ import annotations
