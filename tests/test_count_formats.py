@@ -524,3 +524,21 @@ def test_deep_or_huge_tool_schemas_render_bounded_with_a_warning() -> None:
         f"p{i}": {"anyOf": [{"type": "string"}] * 50} for i in range(10_000)}}}}
     result = count(chat_with(tools=[wide]), "openai.chat")
     assert "The tool definitions are too large or too deep to render fully: some of them were not counted." in result.warnings
+
+
+@settings(max_examples=300, deadline=None)
+@given(params=_values, choice=_values, fmt_spec=_values, call=_values, required=_values)
+def test_any_shape_of_tools_choices_formats_and_calls_is_counted_without_failing(params, choice, fmt_spec, call, required) -> None:
+    """Tool schemas, choices, structured outputs and calls of any JSON shape: a count, never an exception."""
+    parameters = {"type": "object", "properties": {"p": params, "q": {"type": "object", "properties": params}}, "required": required}
+    chat = {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "tool_calls": [call, {"id": call, "function": call}]},
+                         {"role": "tool", "tool_call_id": call, "content": "r"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}, params],
+            "functions": [params], "tool_choice": choice, "response_format": {"type": "json_schema", "json_schema": fmt_spec}}
+    responses = {"instructions": "i", "input": [{"type": "function_call", "call_id": call, "name": "f", "arguments": call},
+                                               {"type": "function_call_output", "call_id": call, "output": call}],
+                 "tools": [{"type": "function", "name": "f", "parameters": parameters}], "tool_choice": choice,
+                 "text": {"format": {"type": "json_schema", "schema": fmt_spec}}}
+    for fmt, body in (("openai.chat", chat), ("openai.responses", responses)):
+        for model in ("gpt-4o", "gpt-4", "o3"):
+            assert count(body, fmt, model).count >= 0
