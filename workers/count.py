@@ -7,13 +7,15 @@ never fails on its input: it falls down the ladder and says so in `method` and `
 
 The ladder, first that serves wins:
 
-1. tiktoken, for OpenAI model families (openai_encoding_for): method "tiktoken".
+1. tiktoken, for OpenAI model families (openai_encoding_for): method "tiktoken". The worker builds
+   the encoding from a local file only (count_encodings.py): no rung touches the network.
 2. a loaded tokenizer, by exact name or alias, then `--tokenizer-map` globs (env.loaded).
 3. the embedded fallback tokenizer: method "fallback".
 4. characters (Unicode code points) / 2, rounded up: method "estimate".
 
 Framing: OpenAI's in count_openai.py (messages, the `namespace functions` block of tool definitions,
-calls and tool results; it reproduces every published count in tests/fixtures/count/). Anthropic: 3
+calls, tool results and structured outputs; it reproduces every published and recorded count in
+tests/fixtures/count/). Anthropic: 3
 per message (`system` is one), 3 per request, and per tool 3 + name + description + JSON of
 input_schema plus Anthropic's published tool-use system prompt (346; 313 for tool_choice any/tool).
 Gemini: nothing but the text (Google's countTokens counts no framing); declarations count their name,
