@@ -415,3 +415,17 @@ def test_a_gemini_model_mapped_to_a_gemma_tokenizer_is_not_called_an_estimate() 
     body = {"contents": [{"parts": [{"text": "Hello"}]}]}
     assert count(body, format="gemini.generate", model="gemini-2.0-flash", env=env).warnings == []
     assert count(body, format="gemini.generate", model="gemini-1.0-pro", env=env).warnings == [GEMINI_ESTIMATE]
+
+
+PAIRS = json.loads((FIXTURES / "count" / "gemini_counts.json").read_text())["pairs"]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=[f"{p['older']['model']}-vs-{p['newer']['model']}-{i}" for i, p in enumerate(PAIRS)])
+def test_gemini_2_5_and_later_count_one_more_per_content(pair: dict) -> None:
+    """The same contents recorded from two Gemini generations: the newer is one token per content over the older."""
+    contents = len(pair["body"]["contents"]) + ("systemInstruction" in pair["body"])
+    if "outlier" not in pair:
+        assert pair["newer"]["published_tokens"] - pair["older"]["published_tokens"] == contents
+    env = Env(tokenizer_map=(("gemini-*", "deepseek"),))
+    older, newer = (count(pair["body"], format="gemini.generate", model=pair[k]["model"], env=env).count for k in ("older", "newer"))
+    assert newer - older == contents

@@ -389,26 +389,28 @@ def gem_with(*contents: dict, **top: object) -> dict:
 def test_gemini_parts_in_both_spellings() -> None:
     e = deepseek()
     system = {"parts": [{"text": "Answer in one line."}]}
-    assert delta("gemini.generate", GEM, gem_with(systemInstruction=system))[0] == e("Answer in one line.")  # no framing: Google counts the text
+    # Google counts the text, and from Gemini 2.5 on one more per content (the system instruction is one)
+    assert delta("gemini.generate", GEM, gem_with(systemInstruction=system))[0] == e("Answer in one line.") + 1
+    assert delta("gemini.generate", GEM, gem_with(systemInstruction=system), model="gemini-2.0-flash")[0] == e("Answer in one line.")
     assert count(gem_with(system_instruction=system), "gemini.generate").count == count(gem_with(systemInstruction=system), "gemini.generate").count
     turn = {"role": "model", "parts": [
         {"text": "Gravity of the moon.", "thought": True, "thoughtSignature": "CiQB" * 80},
         {"functionCall": {"name": "moon_phase", "args": {"date": "2025-01-01"}}},
         {"executableCode": {"language": "PYTHON", "code": "print(1)"}},
         {"codeExecutionResult": {"outcome": "OUTCOME_OK", "output": "1"}}]}
-    expected = e("Gravity of the moon.") + e("moon_phase") + e('{"date":"2025-01-01"}') + e("print(1)") + e("1")
+    expected = 1 + e("Gravity of the moon.") + e("moon_phase") + e('{"date":"2025-01-01"}') + e("print(1)") + e("1")
     assert delta("gemini.generate", GEM, gem_with(turn)) == (expected, [])
     reply = {"role": "user", "parts": [{"function_response": {"name": "moon_phase", "response": {"phase": "full"}}}]}
-    assert delta("gemini.generate", GEM, gem_with(reply))[0] == e("moon_phase") + e('{"phase":"full"}')
+    assert delta("gemini.generate", GEM, gem_with(reply))[0] == 1 + e("moon_phase") + e('{"phase":"full"}')
 
 
 def test_gemini_images_count_by_tiles_and_other_media_not_at_all() -> None:
     inline = {"role": "user", "parts": [{"inlineData": {"mimeType": "image/png", "data": b64png(300, 300)}}]}
-    assert delta("gemini.generate", GEM, gem_with(inline)) == (258, [])
+    assert delta("gemini.generate", GEM, gem_with(inline)) == (1 + 258, [])
     file = {"role": "user", "parts": [{"fileData": {"mimeType": "image/jpeg", "fileUri": "gs://b/big.jpg"}}]}
-    assert delta("gemini.generate", GEM, gem_with(file))[0] == 1032
+    assert delta("gemini.generate", GEM, gem_with(file))[0] == 1 + 1032
     audio = {"role": "user", "parts": [{"inline_data": {"mime_type": "audio/wav", "data": "UklGRg==" * 300}}]}
-    assert delta("gemini.generate", GEM, gem_with(audio)) == (0, ["Inline and file data of type 'audio/wav' are not counted (only images are)."])
+    assert delta("gemini.generate", GEM, gem_with(audio)) == (1, ["Inline and file data of type 'audio/wav' are not counted (only images are)."])
 
 
 def test_gemini_function_declarations_count_and_builtin_tools_do_not() -> None:
@@ -416,8 +418,9 @@ def test_gemini_function_declarations_count_and_builtin_tools_do_not() -> None:
     decl = {"name": "moon_phase", "description": "Phase of the moon.", "parameters": {"type": "OBJECT", "properties": {"date": {"type": "STRING"}}}}
     schema = '{"type":"OBJECT","properties":{"date":{"type":"STRING"}}}'
     assert delta("gemini.generate", GEM, gem_with(tools=[{"functionDeclarations": [decl]}])) == (
-        e("moon_phase") + e("Phase of the moon.") + e(schema),
-        ["Gemini function declarations are counted as their name, description and JSON schema, an estimate."])
+        2 + e("moon_phase") + e("Phase of the moon.") + 2 + e("date"),  # their text, 2 per declaration and property
+        ["Gemini function declarations are counted as their text and 2 per declaration and property, an estimate."])
+    assert len(schema) > 40  # not their JSON
     assert delta("gemini.generate", GEM, gem_with(tools=[{"googleSearch": {}}])) == (0, ["Built-in tools (search, code execution, ...) are not counted."])
 
 

@@ -18,8 +18,8 @@ calls, tool results and structured outputs; it reproduces every published and re
 tests/fixtures/count/). Anthropic: 3
 per message (`system` is one), 3 per request, and per tool 3 + name + description + JSON of
 input_schema plus Anthropic's published tool-use system prompt (346; 313 for tool_choice any/tool).
-Gemini: nothing but the text (Google's countTokens counts no framing); declarations count their name,
-description and the JSON of their parameters. Text: nothing. docs/counting.md gives each rule's source.
+Gemini (count_gemini.py): the text, and one per content from Gemini 2.5 on; declarations by their
+text, an estimate. Text: nothing. docs/counting.md gives each rule's source.
 
 Images are never text: count_images.py reads their sizes and applies each provider's published rule.
 """
@@ -35,6 +35,7 @@ from tokenbroker.common.errors import ProtocolError
 
 from .count_detect import detect_format
 from .count_formats import FORMATS, HARVESTERS, FunctionDef, Harvest
+from .count_gemini import gemini_tokens
 from .count_images import image_tokens
 from .count_openai import openai_tokens
 from .count_walk import Notes, Walk
@@ -77,14 +78,9 @@ class Framing:
     per_request: int
 
 
-# OpenAI's framing lives in count_openai.py. Anthropic's is our documented estimate; Google's
-# countTokens counts the text alone ("The quick brown fox jumps over the lazy dog." is 10 tokens,
-# the Gemini Cookbook's Counting_Tokens), so Gemini bodies carry no framing.
-FRAMING = {
-    "anthropic.messages": Framing(per_message=3, per_request=3),
-    "gemini.generate": Framing(per_message=0, per_request=0),
-    "text": Framing(per_message=0, per_request=0),
-}
+# OpenAI's framing lives in count_openai.py, Gemini's in count_gemini.py; Anthropic's is our
+# documented estimate (Anthropic publishes none).
+ANTHROPIC_FRAMING = Framing(per_message=3, per_request=3)
 SCHEMA_TOOL_OVERHEAD = 3  # per function definition, Anthropic
 ANTHROPIC_TOOL_PROMPT = 346  # Anthropic's published tool-use system prompt (Claude 4 / 3.7), tool_choice auto or none
 ANTHROPIC_TOOL_PROMPT_FORCED = 313  # tool_choice any or tool
@@ -94,7 +90,7 @@ MAX_COUNT = 2**53 - 1  # the largest count every client decodes exactly (a JSON 
 
 
 def schema_tool_tokens(functions: list[FunctionDef], encode: Encoder, walk: Walk, *, overhead: int) -> int:
-    """Name, description and the JSON of the schema per definition, plus `overhead` each (Anthropic, Gemini)."""
+    """Name, description and the JSON of the schema per definition, plus `overhead` each (Anthropic)."""
     n = 0
     for f in functions:
         n += overhead + encode(f.name) + encode(f.description)
@@ -241,15 +237,14 @@ def _count_harvest(h: Harvest, fmt: str, model: str | None, encode: Encoder, wal
     name = normalise_openai_model(model) if model else ""
     if fmt.startswith("openai."):
         n = openai_tokens(h, name, encode, walk, api=fmt.removeprefix("openai."))
+    elif fmt == "gemini.generate":
+        n = gemini_tokens(h, name, encode, walk)
     else:
-        framing = FRAMING[fmt]
+        framing = ANTHROPIC_FRAMING
         n = framing.per_request + sum(framing.per_message + sum(encode(t) for t in m.texts if t) for m in h.messages)
-        overhead = SCHEMA_TOOL_OVERHEAD if fmt == "anthropic.messages" else 0
-        n += schema_tool_tokens(h.functions, encode, walk, overhead=overhead)
-        if fmt == "gemini.generate" and h.functions:
-            walk.notes.add("Gemini function declarations are counted as their name, description and JSON schema, an estimate.")
-    if fmt == "anthropic.messages" and h.tools_given:
-        n += ANTHROPIC_TOOL_PROMPT_FORCED if h.tool_choice_forced else ANTHROPIC_TOOL_PROMPT
+        n += schema_tool_tokens(h.functions, encode, walk, overhead=SCHEMA_TOOL_OVERHEAD)
+        if h.tools_given:
+            n += ANTHROPIC_TOOL_PROMPT_FORCED if h.tool_choice_forced else ANTHROPIC_TOOL_PROMPT
     return n + image_tokens(h.images, fmt, name, walk.notes)
 
 
