@@ -254,6 +254,8 @@ def test_chat_images_follow_openai_rules_and_base64_is_never_text() -> None:
     assert cost == empty + 765 and "at detail 'high' (765 tokens)" in warnings[0]  # bytes it cannot size: still an image
     other = {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png", "detail": "low"}]}
     assert delta("openai.chat", CHAT, chat_with(other)) == (empty + 85, [])  # another API's spelling is an image too
+    alone = {"role": "user", "content": other["content"][0]}  # one part given as a map, not a list
+    assert delta("openai.chat", CHAT, chat_with(alone)) == (empty + 85, [])
 
 
 # --- openai.responses ------------------------------------------------------------------------------

@@ -72,6 +72,11 @@ def _dict(value: Any) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _parts(content: Any) -> list:
+    """Content parts: a list, or one part given alone as a map (an image is never lost to the shape)."""
+    return [content] if isinstance(content, dict) else _list(content)
+
+
 def _get(d: dict, *names: str) -> Any:
     """The first of a field's spellings that is present (Gemini's REST API takes camelCase and snake_case)."""
     for name in names:
@@ -109,7 +114,7 @@ def _chat_content(walk: Walk, content: Any, h: Harvest) -> str:
     if isinstance(content, str):
         return content
     texts: list[str] = []
-    for part in _list(content):
+    for part in _parts(content):
         kind = _dict(part).get("type")
         if kind == "text":
             texts.append(_s(part.get("text")) or "")
@@ -233,7 +238,7 @@ def _responses_parts(walk: Walk, content: Any, h: Harvest) -> str:
     if isinstance(content, str):
         return content
     texts: list[str] = []
-    for part in _list(content):
+    for part in _parts(content):
         part = _dict(part)
         kind = part.get("type")
         if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
