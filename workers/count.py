@@ -7,20 +7,19 @@ never fails on its input: it falls down the ladder and says so in `method` and `
 
 The ladder, first that serves wins:
 
-1. tiktoken, for OpenAI model families (openai_encoding_for): method "tiktoken".
+1. tiktoken, for OpenAI model families (openai_encoding_for): method "tiktoken". The worker builds
+   the encoding from a local file only (count_encodings.py): no rung touches the network.
 2. a loaded tokenizer, by exact name or alias, then `--tokenizer-map` globs (env.loaded).
 3. the embedded fallback tokenizer: method "fallback".
 4. characters (Unicode code points) / 2, rounded up: method "estimate".
 
-Framing (documented choices; OpenAI's reproduces the Cookbook's published API counts):
-
-| format | per message | per `name` | per request | tool definitions |
-|---|---|---|---|---|
-| openai.chat | 3 (4 for gpt-3.5-turbo-0301) | +1 (-1 for 0301) | 3 reply priming (2 for o1/o3/o4/gpt-5) | Cookbook rule, TOOL_CONSTANTS |
-| openai.responses | as chat; `instructions` is a system message, a str `input` a user message, each item a message | - | as chat | as chat |
-| anthropic.messages | 3 (`system` is one message) | - | 3, plus 346 tool-use system prompt when tools are given (313 for tool_choice any/tool) | 3 + name + description + JSON of input_schema |
-| gemini.generate | 3 (`systemInstruction` is one content) | - | 3 | 3 + name + description + JSON of parameters |
-| text | 0 | - | 0 | - |
+Framing: OpenAI's in count_openai.py (messages, the `namespace functions` block of tool definitions,
+calls, tool results and structured outputs; it reproduces every published and recorded count in
+tests/fixtures/count/). Anthropic: 3
+per message (`system` is one), 3 per request, and per tool 3 + name + description + JSON of
+input_schema plus Anthropic's published tool-use system prompt (346; 313 for tool_choice any/tool).
+Gemini (count_gemini.py): the text, and one per content from Gemini 2.5 on; declarations by their
+text, an estimate. Text: nothing. docs/counting.md gives each rule's source.
 
 Images are never text: count_images.py reads their sizes and applies each provider's published rule.
 """
@@ -28,7 +27,6 @@ Images are never text: count_images.py reads their sizes and applies each provid
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,9 +35,13 @@ from tokenbroker.common.errors import ProtocolError
 
 from .count_detect import detect_format
 from .count_formats import FORMATS, HARVESTERS, FunctionDef, Harvest
+from .count_gemini import gemini_tokens
 from .count_images import image_tokens
+from .count_openai import openai_tokens
 from .count_walk import Notes, Walk
 from .modelmap import normalise_openai_model, openai_encoding_for
+
+OPENAI_ENCODINGS = frozenset({"o200k_base", "o200k_harmony", "cl100k_base"})  # the ladder's first rung serves only these
 
 __all__ = ["Encoder", "CountEnv", "CountResult", "count_request", "openai_encoding_for", "FORMATS"]
 
@@ -73,93 +75,25 @@ class CountResult:
 @dataclass(frozen=True)
 class Framing:
     per_message: int
-    per_name: int
     per_request: int
 
 
-@dataclass(frozen=True)
-class ToolConstants:
-    """The OpenAI Cookbook's num_tokens_for_tools constants."""
-
-    func_init: int
-    prop_init: int
-    prop_key: int
-    enum_init: int
-    enum_item: int
-    func_end: int
-
-
-FRAMING = {
-    "openai.chat": Framing(per_message=3, per_name=1, per_request=3),
-    "openai.responses": Framing(per_message=3, per_name=1, per_request=3),
-    "anthropic.messages": Framing(per_message=3, per_name=0, per_request=3),
-    "gemini.generate": Framing(per_message=3, per_name=0, per_request=3),
-    "text": Framing(per_message=0, per_name=0, per_request=0),
-}
-FRAMING_0301 = Framing(per_message=4, per_name=-1, per_request=3)  # a name replaces the role
-TOOL_CONSTANTS = {
-    "o200k_base": ToolConstants(func_init=7, prop_init=3, prop_key=3, enum_init=-3, enum_item=3, func_end=12),
-    "cl100k_base": ToolConstants(func_init=10, prop_init=3, prop_key=3, enum_init=-3, enum_item=3, func_end=12),
-}
-SCHEMA_TOOL_OVERHEAD = 3  # per function definition, Anthropic and Gemini
+# OpenAI's framing lives in count_openai.py, Gemini's in count_gemini.py; Anthropic's is our
+# documented estimate (Anthropic publishes none).
+ANTHROPIC_FRAMING = Framing(per_message=3, per_request=3)
+SCHEMA_TOOL_OVERHEAD = 3  # per function definition, Anthropic
 ANTHROPIC_TOOL_PROMPT = 346  # Anthropic's published tool-use system prompt (Claude 4 / 3.7), tool_choice auto or none
 ANTHROPIC_TOOL_PROMPT_FORCED = 313  # tool_choice any or tool
-
-_0301 = re.compile(r"gpt-3\.5-turbo-0301")
-_REASONING = re.compile(r"(?:o1|o3|o4|gpt-5(?:\.\d+)?)(?:-.*)?", re.DOTALL)
+MAX_COUNT = 2**53 - 1  # the largest count every client decodes exactly (a JSON number is a double); never reached by a body under --max-request-bytes
 
 # --- tool definitions ------------------------------------------------------------------------------
 
 
-def _strip_dot(text: str) -> str:
-    return text[:-1] if text.endswith(".") else text
-
-
-def _type_name(spec: dict) -> str:
-    kind = spec.get("type")
-    if isinstance(kind, list):
-        return " | ".join(str(k) for k in kind)
-    return kind if isinstance(kind, str) else ""
-
-
-def cookbook_tool_tokens(functions: list[FunctionDef], encode: Encoder, c: ToolConstants, walk: Walk) -> int:
-    """The Cookbook's num_tokens_for_tools; nested object properties count by the same rule (our extension)."""
-    if not functions:
-        return 0
-    n = c.func_end
-    for f in functions:
-        n += c.func_init + encode(f.name + ":" + _strip_dot(f.description))
-        params = f.parameters if isinstance(f.parameters, dict) else {}
-        stack = [params.get("properties")]
-        while stack:
-            props = stack.pop()
-            if not isinstance(props, dict) or not props:
-                continue
-            n += c.prop_init
-            for key, spec in props.items():
-                walk.budget -= 1
-                if walk.budget < 0:
-                    walk.notes.add("The tool definitions are too large to count fully: some properties were not counted.")
-                    return n
-                spec = spec if isinstance(spec, dict) else {}
-                n += c.prop_key
-                if isinstance(spec.get("enum"), list):
-                    n += c.enum_init
-                    for item in spec["enum"]:
-                        n += c.enum_item + encode(item if isinstance(item, str) else walk.to_json(item))
-                description = spec.get("description") if isinstance(spec.get("description"), str) else ""
-                n += encode(f"{key}:{_type_name(spec)}:{_strip_dot(description)}")
-                items = spec.get("items")
-                stack.append(spec.get("properties"))
-                if isinstance(items, dict):
-                    stack.append(items.get("properties"))
-    return n
-
-
-def schema_tool_tokens(functions: list[FunctionDef], encode: Encoder, walk: Walk) -> int:
+def schema_tool_tokens(functions: list[FunctionDef], encode: Encoder, walk: Walk, *, overhead: int) -> int:
+    """Name, description and the JSON of the schema per definition, plus `overhead` each (Anthropic)."""
     n = 0
     for f in functions:
-        n += SCHEMA_TOOL_OVERHEAD + encode(f.name) + encode(f.description)
+        n += overhead + encode(f.name) + encode(f.description)
         if f.parameters is not None:
             n += encode(walk.to_json(f.parameters))
     return n
@@ -180,12 +114,22 @@ def estimate_tokens(text: str) -> int:
     return (len(text) + 1) // 2
 
 
-def _vendor_note(model: str | None, fmt: str) -> str | None:
+GEMINI_ESTIMATE = ("Google does not publish Gemini's tokenizer: this count is an estimate "
+                   "(map gemini-* to a Gemma tokenizer with --tokenizer-map: Gemini shares Gemma's vocabulary).")
+
+
+def _vendor_note(model: str | None, fmt: str, tokenizer: _Tokenizer) -> str | None:
+    """Why a Claude or Gemini count is an estimate; None when it is not one.
+
+    Gemini shares Gemma's vocabulary (Google's Gemma 3 report), so a Gemini model counted with a
+    loaded tokenizer whose name says Gemma counts its text exactly.
+    """
     name = normalise_openai_model(model) if model else ""
     if name.startswith("claude") or (not model and fmt == "anthropic.messages"):
         return "Anthropic does not publish Claude's tokenizer: this count is an estimate."
     if name.startswith("gemini") or (not model and fmt == "gemini.generate"):
-        return "Google does not publish Gemini's tokenizer: this count is an estimate."
+        loaded = tokenizer.method in ("huggingface", "tiktoken") and "gemma" in (tokenizer.vocabulary or "").lower()
+        return None if loaded else GEMINI_ESTIMATE
     return None
 
 
@@ -193,17 +137,21 @@ def resolve_tokenizer(model: str | None, *, strict: bool, env: CountEnv, notes: 
     """The first rung of the ladder that serves `model`; strict refuses to fall below a named model's tokenizer."""
     if model is not None:
         encoding = openai_encoding_for(model)
+        missing = ""
         if encoding is not None:
             encoder = env.tiktoken(encoding)
             if encoder is not None:
                 return _Tokenizer("tiktoken", encoding, encoder)
-            notes.add(f"The tiktoken encoding {encoding} for model {model!r} is not available here.")
+            missing = (f"the tiktoken encoding {encoding} is not available here: workers load encodings only from "
+                       "local files (tiktoken's cache), never over the network on a request")
+            notes.add(f"For model {model!r}, {missing}.")
         loaded = env.loaded(model)
         if loaded is not None:
             vocabulary, method, encoder = loaded
             return _Tokenizer(method, vocabulary, encoder)
         if strict:
-            raise ProtocolError("unknown_model", f"field 'model': no tokenizer is available for {model!r} (strict count)")
+            why = f": {missing}" if missing else ""
+            raise ProtocolError("unknown_model", f"field 'model': no tokenizer is available for {model!r} (strict count){why}")
         notes.add(f"No tokenizer is loaded for model {model!r}.")
     else:
         notes.add("No model was given in the request or in the body.")
@@ -285,32 +233,18 @@ def _format(value: dict, fmt: str | None, model: str | None, walk: Walk) -> str 
 # --- counting --------------------------------------------------------------------------------------
 
 
-def _chat_framing(fmt: str, model: str) -> Framing:
-    framing = FRAMING[fmt]
-    if not fmt.startswith("openai."):
-        return framing
-    if _0301.fullmatch(model):
-        framing = FRAMING_0301
-    if _REASONING.fullmatch(model):
-        framing = Framing(framing.per_message, framing.per_name, framing.per_request - 1)
-    return framing
-
-
 def _count_harvest(h: Harvest, fmt: str, model: str | None, encode: Encoder, walk: Walk) -> int:
     name = normalise_openai_model(model) if model else ""
-    framing = _chat_framing(fmt, name)
-    n = framing.per_request
-    for m in h.messages:
-        n += framing.per_message + sum(encode(t) for t in m.texts if t)
-        if m.named:
-            n += framing.per_name
     if fmt.startswith("openai."):
-        constants = TOOL_CONSTANTS.get(openai_encoding_for(name) or "", TOOL_CONSTANTS["o200k_base"])
-        n += cookbook_tool_tokens(h.functions, encode, constants, walk)
+        n = openai_tokens(h, name, encode, walk, api=fmt.removeprefix("openai."))
+    elif fmt == "gemini.generate":
+        n = gemini_tokens(h, name, encode, walk)
     else:
-        n += schema_tool_tokens(h.functions, encode, walk)
-    if fmt == "anthropic.messages" and h.tools_given:
-        n += ANTHROPIC_TOOL_PROMPT_FORCED if h.tool_choice_forced else ANTHROPIC_TOOL_PROMPT
+        framing = ANTHROPIC_FRAMING
+        n = framing.per_request + sum(framing.per_message + sum(encode(t) for t in m.texts if t) for m in h.messages)
+        n += schema_tool_tokens(h.functions, encode, walk, overhead=SCHEMA_TOOL_OVERHEAD)
+        if h.tools_given:
+            n += ANTHROPIC_TOOL_PROMPT_FORCED if h.tool_choice_forced else ANTHROPIC_TOOL_PROMPT
     return n + image_tokens(h.images, fmt, name, walk.notes)
 
 
@@ -338,12 +272,15 @@ def count_request(body: object, *, format: str | None, model: str | None, strict
         else:
             fmt = detected
     tokenizer = resolve_tokenizer(model, strict=strict, env=env, notes=notes)
-    vendor = _vendor_note(model, fmt)
-    if vendor and tokenizer.method != "tiktoken":
+    vendor = _vendor_note(model, fmt, tokenizer)
+    if vendor and tokenizer.vocabulary not in OPENAI_ENCODINGS:
         notes.add(vendor)
     if isinstance(value, str):
         count = tokenizer.encode(value) if value else 0
     else:
         harvest = HARVESTERS[fmt](walk, value)
         count = _count_harvest(harvest, fmt, model, tokenizer.encode, walk)
-    return CountResult(count=max(0, count), method=tokenizer.method, vocabulary=tokenizer.vocabulary, warnings=notes.sentences())
+    if count > MAX_COUNT:
+        notes.add(f"The count exceeds {MAX_COUNT} and was capped there.")
+    return CountResult(count=min(max(0, count), MAX_COUNT), method=tokenizer.method, vocabulary=tokenizer.vocabulary,
+                       warnings=notes.sentences())

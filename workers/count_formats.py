@@ -8,8 +8,8 @@ What is counted, per format (anything else is skipped, with a warning where it c
 
 | format | counted | skipped |
 |---|---|---|
-| openai.chat | `messages[]`: role, content (str, or text/refusal parts joined), name, refusal, tool_calls[].function name and arguments (custom: name and input), legacy function_call; `tools[]` and legacy `functions[]` (function and custom); images | tool_call_id, audio, input_audio and file parts, response_format, built-in tools |
-| openai.responses | `instructions`, `input` (str, or items: messages with input_text/output_text/refusal parts, function_call name and arguments, function_call_output, custom_tool_call(_output), reasoning summary and content text, mcp_call, code_interpreter_call code); `tools[]` function and custom; images | call ids, input_file and input_audio, encrypted reasoning, item_reference, previous_response_id, prompt, built-in tools |
+| openai.chat | `messages[]`: role, content (str, or text/refusal parts joined), name, refusal, tool_calls[].function name and arguments (custom: name and input), legacy function_call, a tool message's called function; `tools[]` and legacy `functions[]` (function and custom); tool_choice/function_call; a JSON-schema response_format; images | ids, audio, input_audio and file parts, other response formats, built-in tools |
+| openai.responses | `instructions`, `input` (str, or items: messages with input_text/output_text/refusal parts, function_call name and arguments, function_call_output and its called function, custom_tool_call(_output), current-turn reasoning summary and content text, mcp_call, code_interpreter_call code); `tools[]` function and custom; tool_choice; a JSON-schema text.format; images | ids, input_file and input_audio, encrypted reasoning, earlier turns' reasoning, item_reference, previous_response_id, prompt, built-in tools |
 | anthropic.messages | `system` (str or text blocks), `messages[]` content (str or blocks: text, thinking, tool_use and server_tool_use name and input, tool_result content, document text/content sources with title and context, search_result); `tools[]` name, description, input_schema; images | signatures, redacted_thinking, PDF/URL/file documents, server tool results, built-in tools |
 | gemini.generate | `systemInstruction`, `contents[]` parts: text (thoughts too), functionCall name and args, functionResponse name and response, executableCode, codeExecutionResult; `tools[].functionDeclarations`; images in inlineData/fileData | thoughtSignature, non-image inline/file data, built-in tools, cachedContent |
 
@@ -40,6 +40,9 @@ class FunctionDef:
 class Message:
     texts: list[str] = field(default_factory=list)  # each encoded on its own
     named: bool = False  # carries OpenAI's `name` (tokens_per_name)
+    role: str | None = None  # OpenAI: the framing differs for system, function and tool messages
+    content_at: int | None = None  # OpenAI: which of `texts` is the content (a system message's gains a newline with tools)
+    calls: int = 0  # OpenAI: function or tool calls this assistant message makes
 
 
 @dataclass
@@ -49,6 +52,9 @@ class Harvest:
     images: list[Image] = field(default_factory=list)
     tool_choice_forced: bool = False  # Anthropic tool_choice any/tool (its tool-use system prompt differs)
     tools_given: bool = False
+    choice: str | None = None  # OpenAI tool_choice/function_call given as a string ("none", "auto", "required")
+    choice_name: str | None = None  # OpenAI tool_choice/function_call naming one function
+    response_format: tuple[str, str, Any] | None = None  # OpenAI structured output: (name, description, JSON schema)
 
 
 # --- small typed readers ---------------------------------------------------------------------------
@@ -64,6 +70,11 @@ def _list(value: Any) -> list:
 
 def _dict(value: Any) -> dict:
     return value if isinstance(value, dict) else {}
+
+
+def _parts(content: Any) -> list:
+    """Content parts: a list, or one part given alone as a map (an image is never lost to the shape)."""
+    return [content] if isinstance(content, dict) else _list(content)
 
 
 def _get(d: dict, *names: str) -> Any:
@@ -103,20 +114,32 @@ def _chat_content(walk: Walk, content: Any, h: Harvest) -> str:
     if isinstance(content, str):
         return content
     texts: list[str] = []
-    for part in _list(content):
+    for part in _parts(content):
         kind = _dict(part).get("type")
         if kind == "text":
             texts.append(_s(part.get("text")) or "")
         elif kind == "refusal":
             texts.append(_s(part.get("refusal")) or "")
-        elif kind == "image_url":
-            ref = part.get("image_url")
-            h.images.append(url_image(ref.get("url"), ref.get("detail")) if isinstance(ref, dict) else url_image(ref))
+        elif isinstance(kind, str) and "image" in kind:  # image_url, and the spellings of other APIs
+            h.images.append(_part_image(part))
         elif kind in ("input_audio", "file"):
             walk.notes.add(f"Content parts of type '{kind}' are not counted (audio and files are not text).")
         else:
             walk.notes.add(f"A content part of type {kind!r} was not recognised and not counted.")
     return "".join(texts)
+
+
+def _part_image(part: dict) -> Image:
+    """An image part of any OpenAI spelling: `image_url` as a str or {url, detail}, or `url`/`file_id` with `detail`.
+
+    An image is charged even when nothing tells its size: it is never counted as nothing.
+    """
+    ref = part.get("image_url")
+    detail = part.get("detail")
+    if isinstance(ref, dict):
+        detail = ref.get("detail", detail)
+        ref = ref.get("url")
+    return url_image(ref if ref is not None else part.get("url"), detail)
 
 
 def _tool_call_texts(walk: Walk, call: Any) -> list[str]:
@@ -144,10 +167,43 @@ def _openai_tools(walk: Walk, tools: Any, h: Harvest, *, nested: bool) -> None:
             walk.notes.add(f"Built-in tools (type {kind!r}) are not counted.")
 
 
+def _openai_choice(value: Any, h: Harvest) -> None:
+    """tool_choice or function_call: a string mode, or one named function (chat nests it, Responses does not)."""
+    if isinstance(value, str):
+        h.choice = value
+    elif isinstance(value, dict):
+        named = _dict(value.get("function")) if "function" in value else value
+        name = _s(named.get("name"))
+        if name is not None:
+            h.choice_name = name
+
+
+def _response_format(value: Any, h: Harvest) -> None:
+    """A JSON-schema structured output (chat's response_format, Responses' text.format)."""
+    value = _dict(value)
+    if value.get("type") != "json_schema":
+        return
+    spec = _dict(value.get("json_schema")) if "json_schema" in value else value
+    h.response_format = (_s(spec.get("name")) or "", _s(spec.get("description")) or "", spec.get("schema"))
+
+
+def _tool_message(walk: Walk, role: str, called: str | None, content: str) -> Message:
+    """A tool result: its role, the name of the function it answers, its content."""
+    if called is None:
+        walk.notes.add("A tool result answers no call in the body: the name of its function was not counted.")
+    return Message(texts=[role, called or "", content], role=role, content_at=2)
+
+
 def harvest_openai_chat(walk: Walk, body: dict) -> Harvest:
     h = Harvest()
+    called: dict[str, str] = {}  # tool_call_id -> function name
     for msg in _messages(walk, body):
-        m = Message(texts=[_s(msg.get("role")) or "", _chat_content(walk, msg.get("content"), h)])
+        role = _s(msg.get("role")) or ""
+        content = _chat_content(walk, msg.get("content"), h)
+        if role == "tool":
+            h.messages.append(_tool_message(walk, role, called.get(_s(msg.get("tool_call_id")) or ""), content))
+            continue
+        m = Message(texts=[role, content], role=role, content_at=1)
         name = _s(msg.get("name"))
         if name is not None:
             m.texts.append(name)
@@ -155,14 +211,23 @@ def harvest_openai_chat(walk: Walk, body: dict) -> Harvest:
         refusal = _s(msg.get("refusal"))
         if refusal:
             m.texts.append(refusal)
-        for call in _list(msg.get("tool_calls")):
-            m.texts += _tool_call_texts(walk, call)
+        calls = _list(msg.get("tool_calls"))
+        for call in calls:
+            texts = _tool_call_texts(walk, call)
+            m.texts += texts
+            called[_s(_dict(call).get("id")) or ""] = texts[0]
+        if len(calls) > 1:
+            walk.notes.add("OpenAI renders several tool calls in one message as one parallel call: their count is an estimate.")
         if isinstance(msg.get("function_call"), dict):
             m.texts += _tool_call_texts(walk, {"function": msg["function_call"]})
+            calls = [*calls, msg["function_call"]]
+        m.calls = len(calls)
         h.messages.append(m)
     _openai_tools(walk, body.get("tools"), h, nested=True)
     for f in _list(body.get("functions")):
         _openai_tools(walk, [{"type": "function", "function": f}], h, nested=True)
+    _openai_choice(body.get("tool_choice", body.get("function_call")), h)
+    _response_format(body.get("response_format"), h)
     return h
 
 
@@ -173,15 +238,15 @@ def _responses_parts(walk: Walk, content: Any, h: Harvest) -> str:
     if isinstance(content, str):
         return content
     texts: list[str] = []
-    for part in _list(content):
+    for part in _parts(content):
         part = _dict(part)
         kind = part.get("type")
         if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
             texts.append(_s(part.get("text")) or "")
         elif kind == "refusal":
             texts.append(_s(part.get("refusal")) or "")
-        elif kind == "input_image":
-            h.images.append(url_image(part.get("image_url"), part.get("detail")))
+        elif isinstance(kind, str) and "image" in kind:  # input_image, and chat's image_url
+            h.images.append(_part_image(part))
         elif kind in ("input_file", "input_audio"):
             walk.notes.add(f"Content parts of type '{kind}' are not counted (audio and files are not text).")
         else:
@@ -189,19 +254,25 @@ def _responses_parts(walk: Walk, content: Any, h: Harvest) -> str:
     return "".join(texts)
 
 
-def _responses_item(walk: Walk, item: dict, h: Harvest) -> Message | None:
-    kind = item.get("type", "message" if "role" in item else None)
+def _responses_item(walk: Walk, item: dict, h: Harvest, called: dict[str, str], current_turn: bool) -> Message | None:
+    kind = _item_kind(item)
     if kind == "message":
-        return Message(texts=[_s(item.get("role")) or "", _responses_parts(walk, item.get("content"), h)])
+        role = _s(item.get("role")) or ""
+        return Message(texts=[role, _responses_parts(walk, item.get("content"), h)], role=role, content_at=1)
     if kind in ("function_call", "custom_tool_call"):
         args = item.get("arguments") if kind == "function_call" else item.get("input")
-        return Message(texts=[_s(item.get("name")) or "", _args_text(walk, args)])
+        name = _s(item.get("name")) or ""
+        called[_s(item.get("call_id")) or ""] = name
+        return Message(texts=["assistant", name, _args_text(walk, args)], role="assistant", calls=1)
     if kind in ("function_call_output", "custom_tool_call_output"):
-        return Message(texts=[_responses_parts(walk, item.get("output"), h)])
+        output = _responses_parts(walk, item.get("output"), h)
+        return _tool_message(walk, "tool", called.get(_s(item.get("call_id")) or ""), output)
     if kind == "reasoning":
+        if not current_turn:
+            walk.notes.add("Reasoning items of earlier turns are not counted: OpenAI strips them from the context.")
+            return None
         texts = [_s(_dict(p).get("text")) or "" for p in _list(item.get("summary")) + _list(item.get("content"))]
-        if item.get("encrypted_content"):
-            walk.notes.add("Encrypted reasoning content is not counted.")
+        walk.notes.add("Reasoning kept for the current turn is counted by its visible text; its hidden tokens are not known here (an estimate).")
         return Message(texts=texts)
     if kind == "mcp_call":
         return Message(texts=[_s(item.get("name")) or "", _args_text(walk, item.get("arguments")), _s(item.get("output")) or ""])
@@ -211,23 +282,34 @@ def _responses_item(walk: Walk, item: dict, h: Harvest) -> Message | None:
     return None
 
 
+def _item_kind(item: dict) -> Any:
+    return item.get("type", "message" if "role" in item else None)
+
+
 def harvest_openai_responses(walk: Walk, body: dict) -> Harvest:
     h = Harvest()
     instructions = body.get("instructions")
-    if isinstance(instructions, str):
-        h.messages.append(Message(texts=["system", instructions]))
+    if isinstance(instructions, str) and instructions:  # "" is no instructions
+        h.messages.append(Message(texts=["system", instructions], role="system", content_at=1))
     items = body.get("input")
     if isinstance(items, str):
-        h.messages.append(Message(texts=["user", items]))
+        h.messages.append(Message(texts=["user", items], role="user", content_at=1))
     elif isinstance(instructions, list):
         items = instructions + _list(items)
-    for item in _list(items):
+    items = _list(items)
+    # the current turn starts at the last user message; reasoning before it is stripped by the API
+    turn = max((i for i, it in enumerate(items) if isinstance(it, dict) and _item_kind(it) == "message"
+                and it.get("role") == "user"), default=0)
+    called: dict[str, str] = {}  # call_id -> function name
+    for i, item in enumerate(items):
         if not isinstance(item, dict):
             walk.notes.add("An input item that is not an object was not counted.")
             continue
-        m = _responses_item(walk, item, h)
+        m = _responses_item(walk, item, h, called, current_turn=i > turn)
         if m is not None:
             h.messages.append(m)
+    _openai_choice(body.get("tool_choice"), h)
+    _response_format(_dict(body.get("text")).get("format"), h)
     if body.get("previous_response_id") or body.get("conversation"):
         walk.notes.add("Earlier turns referenced by previous_response_id or conversation are not counted.")
     if body.get("prompt") is not None:

@@ -8,7 +8,10 @@ size, else the rule for a 1024x1024 image, with a warning:
 |---|---|
 | OpenAI | tiles: fit in 2048x2048, shortest side to 768, base + tile x 512px tiles (detail low: base); base/tile 85/170 (gpt-4o, gpt-4.1, gpt-4.5), 2833/5667 (gpt-4o-mini), 75/150 (o1, o3), 70/140 (gpt-5), 65/129 (computer-use-preview); patches: 32px patches capped at 1536, times 1.62 (gpt-4.1-mini, gpt-5-mini), 2.46 (gpt-4.1-nano, gpt-5-nano), 1.72 (o4-mini) |
 | Anthropic | long edge to 1568 px, then width x height / 750, at most 1600 |
-| Gemini | 258 when both sides are 384 px or less, else 258 per 768x768 tile |
+| Gemini | 258 when both sides are 384 px or less, else 258 per 768x768 tile, scaled to fit 3072 px (our bound) |
+
+Every rule scales a large image down the way its provider does, so no header (PNG allows 2^31-1
+square) can make one image cost more than its provider's largest charge.
 """
 
 from __future__ import annotations
@@ -137,9 +140,7 @@ def openai_image_tokens(width: int, height: int, *, detail: str | None, model: s
     base, tile = next(((b, t) for f, b, t in _OPENAI_TILES if f.fullmatch(model)), _OPENAI_DEFAULT_TILES)
     if detail == "low":
         return base
-    w, h = float(width), float(height)
-    if max(w, h) > 2048:
-        w, h = w * 2048 / max(w, h), h * 2048 / max(w, h)
+    w, h = _fit(width, height, 2048)
     if min(w, h) > 768:
         w, h = w * 768 / min(w, h), h * 768 / min(w, h)
     return base + tile * math.ceil(w / 512) * math.ceil(h / 512)
@@ -152,7 +153,7 @@ def _patches(width: int, height: int) -> int:
         w, h = w * shrink, h * shrink
         fit = min(math.floor(w / 32) / (w / 32), math.floor(h / 32) / (h / 32))
         w, h = w * fit, h * fit
-    return min(1536, math.ceil(w / 32) * math.ceil(h / 32))
+    return max(1, min(1536, math.ceil(w / 32) * math.ceil(h / 32)))
 
 
 def anthropic_image_tokens(width: int, height: int) -> int:
@@ -161,21 +162,35 @@ def anthropic_image_tokens(width: int, height: int) -> int:
     >>> anthropic_image_tokens(1000, 1000), anthropic_image_tokens(4000, 4000)
     (1334, 1600)
     """
-    w, h = float(width), float(height)
-    if max(w, h) > 1568:
-        w, h = w * 1568 / max(w, h), h * 1568 / max(w, h)
+    w, h = _fit(width, height, 1568)
     return min(1600, math.ceil(w * h / 750))
 
 
-def gemini_image_tokens(width: int, height: int) -> int:
-    """Google's published rule for Gemini 2.x.
+GEMINI_MAX_SIDE = 3072  # our bound (Google publishes none): a larger image is scaled to fit 4 x 4 tiles
 
-    >>> gemini_image_tokens(300, 300), gemini_image_tokens(1024, 1024)
-    (258, 1032)
+
+def gemini_image_tokens(width: int, height: int) -> int:
+    """Google's published rule for Gemini 2.x: 258 per 768x768 tile, after scaling to fit GEMINI_MAX_SIDE.
+
+    Google scales large images into tiles; without a published cap the scale keeps a hostile header
+    (2^32-1 square) from counting 8e15 tokens.
+
+    >>> gemini_image_tokens(300, 300), gemini_image_tokens(1024, 1024), gemini_image_tokens(2**32 - 1, 2**32 - 1)
+    (258, 1032, 4128)
     """
     if width <= 384 and height <= 384:
         return 258
-    return 258 * math.ceil(width / 768) * math.ceil(height / 768)
+    w, h = _fit(width, height, GEMINI_MAX_SIDE)
+    return 258 * math.ceil(w / 768) * math.ceil(h / 768)
+
+
+def _fit(width: int, height: int, side: int) -> tuple[float, float]:
+    """The size scaled down (never up) so that neither side exceeds `side`."""
+    w, h = float(width), float(height)
+    longest = max(w, h)
+    if longest > side:
+        w, h = w * side / longest, h * side / longest
+    return w, h
 
 
 def image_tokens(images: list[Image], fmt: str, model: str, notes: Notes) -> int:
@@ -196,5 +211,7 @@ def image_tokens(images: list[Image], fmt: str, model: str, notes: Notes) -> int
         else:
             estimate = rule(*UNKNOWN_IMAGE_SIZE, img.detail)
             total += estimate
-            notes.add(f"An image whose size the body does not give was counted as a 1024x1024 image ({estimate} tokens), an estimate.")
+            level = f" at detail {img.detail!r}" if fmt.startswith("openai.") and img.detail else ""
+            notes.add(f"An image whose size could not be read (a URL, a file, or data that is not PNG, GIF, WebP or JPEG) "
+                      f"was counted as a 1024x1024 image{level} ({estimate} tokens), an estimate.")
     return total

@@ -1,7 +1,8 @@
 """The models a worker holds: tokenizer, cache and chat template per model, and name resolution.
 
-Everything is loaded once at start (a worker that cannot load says so and exits); the registry is
-an object the worker owns, never a module global.
+Configured models load once at start (a worker that cannot load says so and exits); the counting
+ladder's OpenAI encodings and fallback load on first use, the encodings from local files only. The
+registry is an object the worker owns, never a module global.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from tokenbroker.common.errors import BootError, ProtocolError
 
 from .cache import CacheOutcome, TokenCache
 from .chat import ChatRenderer, ChatTemplates, discover_chat_templates, special_tokens_from_config
+from .count_encodings import local_encoding, where_to_put
 from .modelmap import TokenizerMap
-from .tokenizers import Tokenizer, load_tokenizer
+from .tokenizers import Tokenizer, load_tokenizer, wrap_encoding
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,17 @@ def _load_model(spec: ModelSpec, cache_config: CacheConfig) -> Model:
     return Model(spec=spec, tokenizer=tokenizer, cache=cache, templates=templates)
 
 
+def _local_encoding_model(name: str, cache_config: CacheConfig) -> Model | None:
+    """An OpenAI encoding from a local rank file (count_encodings.py), or None, said in the log once."""
+    enc = local_encoding(name)
+    if enc is None:
+        log.warning("tiktoken encoding %s is not available for counting: %s", name, where_to_put(name))
+        return None
+    tokenizer = wrap_encoding(enc, f"tiktoken encoding {name} (local file)")
+    return Model(spec=ModelSpec(name=name, source=name), tokenizer=tokenizer,
+                 cache=TokenCache(tokenizer, cache_config, name=name), templates=None)
+
+
 class ModelRegistry:
     """Loads every configured model once, and resolves request model names to them."""
 
@@ -155,7 +168,8 @@ class ModelRegistry:
         return model
 
     def encoding(self, name: str) -> Model | None:
-        """An OpenAI encoding for counting, loaded on first use through tiktoken's cache; None if unavailable."""
+        """An OpenAI encoding for counting, built on first use from a local file only (never downloaded: this
+        runs on the request path); None if unavailable. A configured model with that source serves first."""
         return self._extra(name) if name in OPENAI_ENCODINGS else None
 
     def fallback(self) -> Model | None:
@@ -167,7 +181,9 @@ class ModelRegistry:
         with self._extras_lock:
             if source not in self._extras:
                 loaded = next((m for m in self.models if m.spec.source == source), None)
-                if loaded is None:
+                if loaded is None and source in OPENAI_ENCODINGS:
+                    loaded = _local_encoding_model(source, self._config.cache)
+                elif loaded is None:
                     name = EMBEDDED_DEFAULT_NAME if source == EMBEDDED_DEFAULT else source
                     try:
                         loaded = _load_model(ModelSpec(name=name, source=source), self._config.cache)

@@ -379,6 +379,13 @@ def _load_encoding(found: _Found, config: dict, named: dict[str, str]) -> Tiktok
     return _wrap_tiktoken(enc, assigned, found, config, named, what)
 
 
+def wrap_encoding(enc: Any, description: str) -> TiktokenTokenizer:
+    """A tiktoken.Encoding built elsewhere (counting builds OpenAI's from local files, count_encodings.py) as a Tokenizer."""
+    found = _Found("encoding", None, None, encoding=enc.name)
+    assigned = set(enc._mergeable_ranks.values()) | set(enc._special_tokens.values())
+    return _wrap_tiktoken(enc, assigned, found, {}, {}, description)
+
+
 def _probe_assigned(enc: Any) -> set[int]:
     """Assigned ids through the public API, should an Encoding ever not keep its ranks dict."""
     assigned = set()

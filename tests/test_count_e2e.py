@@ -1,0 +1,125 @@
+"""`count` through a real broker under hostile conditions: no network on the request path, huge image headers.
+
+Issue 11 row 2: a `count` for an OpenAI model whose encoding was not on disk made the worker fetch
+it through tiktoken, with no timeout; behind a proxy that never answers the worker wedged for good.
+Row 8: image header sizes were trusted, so a 2^32-1 square PNG header counted 8e15 tokens and 3,000
+of them made the reply overflow (`internal: OverflowError`).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import socket
+import struct
+import threading
+import zlib
+from collections.abc import Iterator
+
+import pytest
+
+from conftest import serving
+
+
+@contextlib.contextmanager
+def silent_proxy() -> Iterator[str]:
+    """A TCP listener that accepts every connection and never answers: a proxy that hangs its clients."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+        for s in held:
+            s.close()
+        listener.close()
+
+
+def test_count_for_an_openai_model_without_a_local_encoding_never_touches_the_network(monkeypatch, tmp_path):
+    empty_cache = tmp_path / "no-encodings-here"
+    empty_cache.mkdir()
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hello, world!"}]}
+    with silent_proxy() as proxy:
+        for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+            monkeypatch.setenv(var, proxy)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(empty_cache))
+        with serving() as (_, conn):
+            lenient = conn.call("count", body=body, timeout=60)
+            assert lenient["ok"], lenient
+            assert lenient["method"] == "fallback" and lenient["count"] > 0
+            assert any("o200k_base" in w and "local" in w for w in lenient["warnings"]), lenient["warnings"]
+            strict = conn.call("count", body=body, strict=True, timeout=60)
+            assert not strict["ok"] and strict["error"]["code"] == "unknown_model", strict
+            assert "o200k_base" in strict["error"]["message"]
+            # the worker is not wedged: later requests are served
+            for _ in range(3):
+                assert conn.call("tokenize", text="still here", timeout=60)["ok"]
+                assert conn.call("count", body=dict(body, model="gpt-4"), timeout=60)["ok"]
+        assert list(empty_cache.iterdir()) == []  # nothing was downloaded into the cache either
+
+
+def _png_header(width: int, height: int) -> str:
+    """A PNG signature and IHDR chunk claiming `width` x `height` (all the counter reads), base64."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 6, 0, 0, 0)
+    chunk = struct.pack(">I", len(ihdr)) + b"IHDR" + ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    return base64.b64encode(b"\x89PNG\r\n\x1a\n" + chunk).decode()
+
+
+HUGE = 2**32 - 1
+# (format, model, one message carrying the image, what its provider charges for a square image scaled down)
+_HUGE_IMAGE_BODIES = [
+    ("gemini.generate", "gemini-2.0-flash",
+     lambda b64: {"role": "user", "parts": [{"inlineData": {"mimeType": "image/png", "data": b64}}]}, 258 * 16),  # 4 x 4 tiles
+    ("openai.chat", "gpt-4o",
+     lambda b64: {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}}]},
+     85 + 170 * 4),  # fit in 2048x2048, then 768x768: 2 x 2 tiles
+    ("anthropic.messages", "claude-sonnet-4",
+     lambda b64: {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]},
+     1600),
+]
+
+
+@pytest.mark.parametrize("fmt,model,message,scaled", _HUGE_IMAGE_BODIES, ids=[b[0] for b in _HUGE_IMAGE_BODIES])
+def test_huge_image_headers_are_scaled_like_the_provider_does_and_never_fail_a_count(fmt, model, message, scaled):
+    b64 = _png_header(HUGE, HUGE)
+    key = "contents" if fmt == "gemini.generate" else "messages"
+    one = {key: [message(b64)]}
+    many = {key: [message(b64) for _ in range(3000)]}
+    with serving() as (_, conn):
+        single = conn.call("count", body=one, format=fmt, model=model, timeout=120)
+        assert single["ok"], single
+        assert scaled <= single["count"] <= scaled + 16  # the image as its provider scales it, plus framing
+        lots = conn.call("count", body=many, format=fmt, model=model, timeout=120)
+        assert lots["ok"], lots
+        assert 3000 * scaled <= lots["count"] <= 3000 * (scaled + 16)
+        assert conn.call("tokenize", text="still serving", timeout=60)["ok"]
+
+
+def test_published_function_tool_and_responses_counts_through_the_broker():
+    """The fixture's published counts, answered by a real worker whose encodings come from local files."""
+    import json
+    from pathlib import Path
+
+    cases = json.loads((Path(__file__).parent / "fixtures" / "count" / "openai_function_counts.json").read_text())
+    with serving() as (_, conn):
+        for case in cases:
+            reply = conn.call("count", body=case["body"], format=case["format"], model=case["model"], strict=True, timeout=60)
+            assert reply["ok"], (case["id"], reply)
+            assert (reply["count"], reply["method"], reply["warnings"]) == (case["published_tokens"], "tiktoken", []), case["id"]
