@@ -429,11 +429,12 @@ def test_sandbox_blocks_unsafe_access():
         assert e.value.code == "template_error" and ("unsafe" in e.value.message or "underscore" in e.value.message)
 
 
-def test_each_template_is_compiled_once_per_renderer():
-    r = _renderer()
+def test_each_template_is_sent_to_the_render_child_once_and_kept_there():
+    r = _renderer("{% for m in messages %}{{ m.content }}{% endfor %}(sent once)")
     for _ in range(3):
-        r.render([{"role": "user", "content": "a"}])
-    assert len(r._compiled) == 1
+        assert r.render([{"role": "user", "content": "a"}]) == "a(sent once)"
+    number = r.sandbox._numbers[r.templates.default]
+    assert number in r.sandbox._child.known and r.sandbox.pid() is not None
 
 
 def test_render_does_not_touch_the_callers_messages():

@@ -1,0 +1,307 @@
+"""Chat templates render in a child process: a hard bound on memory (RLIMIT_AS) and wall time (a kill timer).
+
+Templates are hostile code (clients may send them with `add_model`; messages and chat_template_kwargs
+are client data). The sandbox in chat_sandbox.py checks every value a template builds, but a single
+C-level call (sorting 16 million strings, one huge `str.join`) cannot be interrupted from inside the
+process, and any check we forget lets a value grow without bound. So the render itself runs in a child
+process that the worker starts once and reuses:
+
+- its address space is capped with RLIMIT_AS (its baseline after imports + `max_memory_bytes`), so an
+  allocation past the budget fails with MemoryError inside the child, whatever code path made it;
+- the worker waits for the answer at most `max_seconds` (+ a short grace for the child's own, cleaner
+  deadline error) and then kills the child, so a render is bounded in wall time even inside one call;
+- a child that was killed, died, or hit its memory limit is replaced on the next render.
+
+Cost, measured with scripts/bench_chat_sandbox on the 13 real templates: one round trip adds tens of
+microseconds to renders of about a hundred (a msgpack frame each way over a pipe); the child holds
+about 25 MiB resident. The alternative, bounds kept entirely in process, cannot stop one long C call.
+
+Frames are a 4-byte little-endian length and a MessagePack map. Request: `t` (template number), `src`
+and `name` (the first time this child sees template `t`), `vars`, `s` (max seconds), `b` (max output
+bytes). Reply: `prompt`, or `error` (a template_error message) and `recycle` (the child exits after it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from tokenbroker.common.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MEMORY_BYTES = 512 * 2**20
+_GRACE_SECONDS = 0.5  # the child's own deadline check answers first, with the same message, and survives
+_HEADER = struct.Struct("<I")
+_MAX_MESSAGE_CHARS = 64 * 1024  # error messages a template builds are cut here
+
+
+def _pack(obj: Any) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")
+    return _HEADER.pack(len(body)) + body
+
+
+def _unpack(body: bytes) -> Any:
+    return msgpack.unpackb(body, raw=False, unicode_errors="surrogatepass", strict_map_key=False)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
+    """n bytes from fd; None at EOF; TimeoutError past `deadline` (monotonic), if given."""
+    chunks: list[bytes] = []
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    while n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(max(1, int(left * 1000))):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError
+                continue
+        chunk = os.read(fd, min(n, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _memory_message(max_memory_bytes: int) -> str:
+    return f"chat template rendering ran past its memory budget of {max_memory_bytes // 2**20} MiB"
+
+
+def _time_message(max_seconds: float) -> str:
+    return f"chat template rendering took longer than {max_seconds:g} s"
+
+
+# --- the worker's side ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Child:
+    proc: subprocess.Popen
+    known: set[int] = field(default_factory=set)  # template numbers this child has compiled
+
+
+class RenderProcess:
+    """One render child, started on first use and replaced when it is killed or dies; thread-safe.
+
+    >>> p = RenderProcess(max_memory_bytes=DEFAULT_MAX_MEMORY_BYTES)
+    >>> p.render("{{ messages[0].content * 2 }}", "doc", {"messages": [{"content": "ab"}]}, max_seconds=5, max_bytes=16)
+    'abab'
+    >>> p.close()
+    """
+
+    def __init__(self, *, max_memory_bytes: int) -> None:
+        self.max_memory_bytes = max_memory_bytes
+        self._lock = threading.Lock()
+        self._child: _Child | None = None
+        self._numbers: dict[str, int] = {}  # template source -> its number, stable across children
+
+    def pid(self) -> int | None:
+        """The live child's pid (tests read its resident size), or None."""
+        child = self._child
+        return child.proc.pid if child is not None and child.proc.poll() is None else None
+
+    def start(self) -> None:
+        """Start the child now rather than on the first render (it takes ~0.1 s to import Jinja)."""
+        with self._lock:
+            self._ensure()
+
+    def render(self, source: str, name: str, variables: dict, *, max_seconds: float, max_bytes: int) -> str:
+        """The prompt `source` renders from `variables`; ProtocolError("template_error") naming the budget."""
+        with self._lock:
+            number = self._numbers.setdefault(source, len(self._numbers))
+            request = {"t": number, "vars": variables, "s": max_seconds, "b": max_bytes}
+            for attempt in range(2):  # a child that died while idle is replaced once
+                child = self._ensure()
+                if number not in child.known:
+                    request.update(src=source, name=name)
+                try:
+                    _write_all(child.proc.stdin.fileno(), _pack(request))
+                    break
+                except OSError:
+                    self._discard(child)
+                    if attempt:
+                        raise ProtocolError("template_error", "the chat template sandbox could not be started") from None
+            child.known.add(number)
+            reply = self._await(child, time.monotonic() + max_seconds + _GRACE_SECONDS, max_seconds, max_bytes)
+        if "error" in reply:
+            raise ProtocolError("template_error", reply["error"])
+        return reply["prompt"]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._child is not None:
+                self._discard(self._child)
+
+    def _await(self, child: _Child, deadline: float, max_seconds: float, max_bytes: int) -> dict:
+        fd = child.proc.stdout.fileno()
+        try:
+            header = _read_exact(fd, _HEADER.size, deadline)
+            size = _HEADER.unpack(header)[0] if header is not None else None
+            if size is not None and size > max_bytes + 4 * _MAX_MESSAGE_CHARS + 4096:
+                raise ProtocolError("template_error", "the chat template sandbox sent an oversized reply")
+            body = _read_exact(fd, size, deadline) if size is not None else None
+        except TimeoutError:
+            self._discard(child)
+            raise ProtocolError("template_error", _time_message(max_seconds)) from None
+        except ProtocolError:
+            self._discard(child)
+            raise
+        if body is None:
+            status = self._discard(child)
+            raise ProtocolError(
+                "template_error",
+                f"the chat template sandbox died while rendering ({status}); "
+                f"{_memory_message(self.max_memory_bytes)} or crashed",
+            )
+        reply = _unpack(body)
+        if reply.get("recycle"):
+            self._discard(child)
+        return reply
+
+    def _ensure(self) -> _Child:
+        if self._child is None or self._child.proc.poll() is not None:
+            if self._child is not None:
+                self._discard(self._child)
+            argv = [sys.executable, "-m", __name__, str(self.max_memory_bytes)]
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True)
+            self._child = _Child(proc)
+        return self._child
+
+    def _discard(self, child: _Child) -> str:
+        """Kill (if alive) and reap `child`; its exit status as text."""
+        if self._child is child:
+            self._child = None
+        proc = child.proc
+        if proc.poll() is None:
+            proc.kill()
+        for f in (proc.stdin, proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        code = proc.wait()
+        return f"signal {-code}" if code < 0 else f"exit {code}"
+
+
+_shared: dict[int, RenderProcess] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_render_process(max_memory_bytes: int = DEFAULT_MAX_MEMORY_BYTES) -> RenderProcess:
+    """The process-wide render child for a memory budget: every model's renderer in a worker shares one."""
+    with _shared_lock:
+        p = _shared.get(max_memory_bytes)
+        if p is None:
+            p = _shared[max_memory_bytes] = RenderProcess(max_memory_bytes=max_memory_bytes)
+        return p
+
+
+# --- the child's side -------------------------------------------------------------------------------
+
+
+def _address_space_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL us when the worker dies (EOF on stdin covers the rest)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+def _serve_one(env: Any, compiled: dict, names: dict, request: dict, max_memory_bytes: int) -> dict:
+    """Compile (once per template) and render one request; every failure becomes an error reply."""
+    import jinja2
+
+    from .chat_sandbox import BudgetExceeded, generate_bounded
+
+    number = request["t"]
+    if "src" in request:
+        names[number] = request["name"]
+        try:
+            compiled[number] = env.compile_template(request["src"])
+        except jinja2.TemplateSyntaxError as e:
+            return {"error": f"chat template ({request['name']}) does not compile: line {e.lineno}: {e.message}"}
+        except MemoryError:
+            return {"error": _memory_message(max_memory_bytes), "recycle": True}
+    template = compiled.get(number)
+    if template is None:  # the template did not compile in an earlier request: compile errors again
+        return {"error": f"chat template ({names.get(number, '?')}) does not compile"}
+    try:
+        chunks = generate_bounded(template, request["vars"], max_seconds=request["s"], max_bytes=request["b"])
+        return {"prompt": "".join(chunks)}
+    except MemoryError:
+        return {"error": _memory_message(max_memory_bytes), "recycle": True}
+    except BudgetExceeded as e:
+        return {"error": str(e)}
+    except jinja2.TemplateError as e:
+        return {"error": (str(e) or type(e).__name__)[:_MAX_MESSAGE_CHARS]}
+    except RecursionError:
+        return {"error": "chat template recursed too deeply"}
+    except Exception as e:  # noqa: BLE001 - a template's own bug (TypeError, KeyError, ...) is the template's error
+        return {"error": f"chat template failed: {type(e).__name__}: {e}"[:_MAX_MESSAGE_CHARS]}
+
+
+def main(argv: list[str]) -> None:
+    """The child: cap the address space, then answer render requests on stdin until EOF."""
+    import resource
+
+    from .chat_sandbox import ChatEnvironment
+
+    max_memory_bytes = int(argv[0])
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when we stop (Ctrl-C reaches the group)
+    out_fd = os.dup(1)
+    os.dup2(2, 1)  # nothing but frames on the pipe, whatever prints
+    env = ChatEnvironment()
+    limit = _address_space_bytes() + max_memory_bytes
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    compiled: dict[int, Any] = {}
+    names: dict[int, str] = {}
+    while True:
+        header = _read_exact(0, _HEADER.size, None)
+        if header is None:
+            return
+        body = _read_exact(0, _HEADER.unpack(header)[0], None)
+        if body is None:
+            return
+        try:
+            request = _unpack(body)
+            del body
+            reply = _serve_one(env, compiled, names, request, max_memory_bytes)
+            del request
+            frame = _pack(reply)
+        except MemoryError:
+            reply = {"error": _memory_message(max_memory_bytes), "recycle": True}
+            frame = _pack(reply)
+        _write_all(out_fd, frame)
+        if reply.get("recycle"):
+            return
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
