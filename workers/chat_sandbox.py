@@ -517,7 +517,7 @@ def generate_bounded(template: jinja2.Template, variables: dict, *, max_seconds:
         for chunk in template.generate(**variables):
             size += len(chunk) if chunk.isascii() else len(chunk.encode("utf-8", "surrogatepass"))
             if size > max_bytes:
-                raise BudgetExceeded(f"chat template output is longer than {max_bytes} bytes")
+                raise BudgetExceeded(f"chat template output is longer than {max_bytes} bytes (its output budget)")
             budget.check_time()
             chunks.append(chunk)
     finally:
