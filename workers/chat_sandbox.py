@@ -18,151 +18,38 @@ address-space limit and a kill timer, so what these checks miss is still bounded
 from __future__ import annotations
 
 import json
-import re
-import string
 import time
-from contextvars import ContextVar
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Iterator, NoReturn
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
+import jinja2.filters
 import jinja2.nodes
 import jinja2.utils
 import jinja2.visitor
-import jinja2.filters
 from jinja2.filters import make_attrgetter
 from jinja2.runtime import markup_join, str_join
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import _PassArg, generate_lorem_ipsum
 
+from .chat_budget import (
+    ACTIVE,
+    FILTER_CHECKS,
+    Budget,
+    BudgetExceeded,
+    arg,
+    bounded_parts,
+    check_str_method,
+    nesting_depth,
+    percent_spec_size,
+    text_size,
+)
+
+__all__ = ["BudgetExceeded", "ChatEnvironment", "generate_bounded"]
+
 _JINJA_JOIN = jinja2.filters.sync_do_join
-
-_PADDING_METHODS = frozenset({"center", "ljust", "rjust", "zfill"})
-# Filters whose cost grows faster than their input, or that are slow per character: fixed input caps.
-_MAX_ITEMS = 100_000  # items a sorting filter orders, slices `slice` makes: Jinja's own cap on range()
-_MAX_SLOW_TEXT_CHARS = 256 * 1024  # urlize and wordwrap run ~1 s per MiB in Python
-_SORTING_FILTERS = frozenset({"sort", "unique", "dictsort", "groupby"})
-_SLOW_TEXT_FILTERS = frozenset({"urlize", "wordwrap"})
-# A %-format conversion: width and precision are its numbers (`*` takes them from the arguments).
-_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\d*|\*)(?:\.(\d*|\*))?[hlL]?[a-zA-Z%]")
-_NUMBER = re.compile(r"\d+")
-_LINE_BREAKS = ("\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")
-
-
-class BudgetExceeded(Exception):
-    """A render ran past its time or size bound."""
-
-
-@dataclass(frozen=True)
-class _Budget:
-    deadline: float
-    max_seconds: float
-    max_bytes: int
-
-    def check_time(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise BudgetExceeded(f"chat template rendering took longer than {self.max_seconds:g} s")
-
-    def check_size(self, value: Any) -> None:
-        """After a value is built: its length (characters, items or keys) within the size budget."""
-        if isinstance(value, (str, list, tuple, dict)) and len(value) > self.max_bytes:
-            self.over(len(value), "a value")
-
-    def check_predicted(self, size: int, what: str) -> None:
-        """Before a value is built: its predicted size within the size budget."""
-        if size > self.max_bytes:
-            self.over(size, what)
-
-    def check_width(self, width: Any) -> None:
-        if type(width) is int and width > self.max_bytes:
-            raise BudgetExceeded(
-                f"chat template asked for a width of {width}, over its size budget of {self.max_bytes} (the output limit)"
-            )
-
-    def over(self, size: int, what: str) -> NoReturn:
-        raise BudgetExceeded(
-            f"chat template built {what} of {size} characters or more, "
-            f"over its size budget of {self.max_bytes} (the output limit)"
-        )
-
-
-def text_size(value: Any, limit: int) -> int:
-    """About how many characters `value` prints as: strings their length, containers the sum of their items.
-
-    Shared references count each time (printing repeats them). Stops early once past `limit`.
-
-    >>> text_size(["ab", {"c": 1}], 100)
-    17
-    """
-    total = 0
-    stack = [value]
-    while stack and total <= limit:
-        v = stack.pop()
-        if isinstance(v, str):
-            total += len(v)
-        elif isinstance(v, (list, tuple)):
-            total += 2 + 2 * len(v)
-            stack.extend(v)
-        elif isinstance(v, dict):
-            total += 2 + 4 * len(v)
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, int) and not isinstance(v, bool):
-            total += v.bit_length() * 30103 // 100000 + 2  # its decimal digits and sign
-        elif isinstance(v, float):
-            total += 24  # the longest repr of a float
-        else:
-            total += 8
-    return total
-
-
-def _depth(value: Any, limit: int) -> int:
-    """How deeply containers nest in `value` (0 for a scalar); stops counting at `limit`."""
-    depth, level = 0, [value]
-    while depth < limit:
-        containers = [v for v in level if isinstance(v, (list, tuple, dict))]
-        if not containers:
-            break
-        depth += 1
-        level = [x for v in containers for x in (v.values() if isinstance(v, dict) else v)]
-    return depth
-
-
-def _format_spec_size(fmt: str) -> int:
-    """The least a str.format string produces: its literal text plus every field's width and precision."""
-    try:
-        parsed = list(string.Formatter().parse(fmt))
-    except ValueError:  # str.format raises the same error itself
-        return len(fmt)
-    size = 0
-    for literal, _field, spec, _conversion in parsed:
-        size += len(literal)
-        if spec:
-            size += sum(int(n) for n in _NUMBER.findall(spec))
-    return size
-
-
-def _percent_spec_size(fmt: str) -> int:
-    """The least a %-format string produces: its length plus every conversion's width and precision."""
-    size = len(fmt)
-    for width, precision in _PERCENT_SPEC.findall(fmt):
-        size += (int(width) if width.isdigit() else 0) + (int(precision) if precision and precision.isdigit() else 0)
-    return size
-
-
-def _replace_size(s: str, old: str, new: str, count: Any) -> int:
-    if len(new) <= len(old):
-        return len(s)
-    hits = s.count(old) if old else len(s) + 1
-    if type(count) is int and count >= 0:
-        hits = min(hits, count)
-    return len(s) + hits * (len(new) - len(old))
-
-
-def _line_count(s: str) -> int:
-    return 1 + sum(s.count(b) for b in _LINE_BREAKS)
 
 
 class _Namespace(jinja2.utils.Namespace):
@@ -177,7 +64,7 @@ class _Namespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name: str, value: Any) -> None:
         _check_namespace_name(name)
-        budget = _BUDGET.get()
+        budget = ACTIVE.get()
         if budget is not None:
             budget.check_time()
             budget.check_size(value)
@@ -221,7 +108,7 @@ class _GuardedIterator:
 
     __slots__ = ("_it", "_budget")
 
-    def __init__(self, it: Iterator, budget: _Budget) -> None:
+    def __init__(self, it: Iterator, budget: Budget) -> None:
         self._it = it
         self._budget = budget
 
@@ -231,10 +118,6 @@ class _GuardedIterator:
     def __next__(self) -> Any:
         self._budget.check_time()
         return next(self._it)
-
-
-# The active render's budget: context-local, set and reset around each render (None outside one).
-_BUDGET: ContextVar[_Budget | None] = ContextVar("tokenbroker_chat_budget", default=None)
 
 
 def _raise_exception(message: Any) -> NoReturn:
@@ -249,14 +132,14 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: 
     default separators); an indent, custom separators or a big value stream through the encoder
     and stop as soon as the output passes the budget.
     """
-    budget = _BUDGET.get()
+    budget = ACTIVE.get()
     if budget is None:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     if type(indent) is int or isinstance(indent, str):
         width = len(indent) if isinstance(indent, str) else max(indent, 0)
         budget.check_width(width)
         if width:  # the deepest line alone is indented depth x width
-            budget.check_predicted(width * _depth(x, budget.max_bytes // width + 1), "a JSON indentation")
+            budget.check_predicted(width * nesting_depth(x, budget.max_bytes // width + 1), "a JSON indentation")
     if indent is None and separators is None and 8 * text_size(x, budget.max_bytes) + 64 <= budget.max_bytes:
         return json.dumps(x, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
     encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -275,44 +158,26 @@ def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call i
 
 
 def _guard_iter(iterable: Any) -> Any:
-    budget = _BUDGET.get()
+    budget = ACTIVE.get()
     if budget is None:
         return iterable
     return _GuardedIterator(iter(iterable), budget)
 
 
-def _bounded_parts(budget: _Budget, items: Any, separator: str, what: str) -> list:
-    """`items` as a list, each non-str item as str (as a join makes it), charged before the join is built."""
-    parts: list = []
-    size = 0
-    for i, item in enumerate(items):
-        if i & 1023 == 1023:
-            budget.check_time()
-        if not isinstance(item, str) and not hasattr(item, "__html__"):
-            budget.check_predicted(size + text_size(item, budget.max_bytes), what)
-            item = str(item)
-        size += len(item) + (len(separator) if parts else 0)
-        if size > budget.max_bytes:
-            budget.over(size, what)
-        parts.append(item)
-    return parts
-
-
 @jinja2.pass_eval_context
 def _join(eval_ctx: Any, value: Any, d: str = "", attribute: Any = None) -> str:
     """Jinja's join, charged against the size budget before the joined string is built."""
-    budget = _BUDGET.get()
+    budget = ACTIVE.get()
     if budget is not None:
         if attribute is not None:
             value, attribute = map(make_attrgetter(eval_ctx.environment, attribute), value), None
-        value = _bounded_parts(budget, value, str(d), "a joined string (join)")
+        value = bounded_parts(budget, value, str(d), "a joined string (join)")
     return _JINJA_JOIN(eval_ctx, value, d, attribute)
 
 
-@jinja2.pass_eval_context
-def _concat(eval_ctx: Any, *parts: Any) -> str:
+def _concat(eval_ctx: Any, parts: tuple) -> str:
     """`a ~ b ~ ...`, charged against the size budget before the string is built (Jinja's own join after)."""
-    budget = _BUDGET.get()
+    budget = ACTIVE.get()
     if budget is not None:
         size = 0
         for p in parts:
@@ -321,57 +186,20 @@ def _concat(eval_ctx: Any, *parts: Any) -> str:
     return markup_join(parts) if eval_ctx.autoescape else str_join(parts)
 
 
-def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
-    """A filter's argument, given by position or by name."""
-    return args[index] if len(args) > index else kwargs.get(name, default)
+class _CodeGenerator(jinja2.compiler.CodeGenerator):
+    """Jinja's code generator, except that `a ~ b` calls the environment's size-checked concat.
 
+    Generated directly (not as a template-level call) so that the sandbox's call hook, which every
+    `~` would otherwise pass through, costs nothing on the request path.
+    """
 
-def _check_filter(budget: _Budget, name: str, args: tuple, kwargs: dict) -> tuple:
-    """The checks a filter's arguments get before it runs; returns the arguments (an iterator made a list)."""
-    value = args[0] if args else None
-    if name in _SORTING_FILTERS:
-        if not hasattr(value, "__len__"):
-            items = []
-            for item in value:
-                items.append(item)
-                if len(items) > _MAX_ITEMS:
-                    break
-            value, args = items, (items, *args[1:])
-        if len(value) > _MAX_ITEMS:
-            raise BudgetExceeded(
-                f"chat template asked `{name}` to order more than {_MAX_ITEMS} items (its item budget)")
-    elif name in _SLOW_TEXT_FILTERS:
-        n = len(value) if isinstance(value, str) else text_size(value, _MAX_SLOW_TEXT_CHARS)
-        if n > _MAX_SLOW_TEXT_CHARS:
-            raise BudgetExceeded(
-                f"chat template gave `{name}` {n} characters or more, over its input budget of {_MAX_SLOW_TEXT_CHARS}")
-    elif name == "replace":
-        old, new = _arg(args, kwargs, 1, "old"), _arg(args, kwargs, 2, "new")
-        if old is not None and new is not None:
-            budget.check_predicted(_replace_size(str(value), str(old), str(new), _arg(args, kwargs, 3, "count")),
-                                   "a replaced string (replace)")
-    elif name == "center":
-        budget.check_width(_arg(args, kwargs, 1, "width", 80))
-    elif name == "indent":
-        width = _arg(args, kwargs, 1, "width", 4)
-        w = len(width) if isinstance(width, str) else width if type(width) is int else 0
-        budget.check_width(w)
-        if isinstance(value, str):
-            budget.check_predicted(len(value) + max(w, 0) * _line_count(value), "an indented string (indent)")
-    elif name == "format":
-        if isinstance(value, str):
-            budget.check_predicted(_percent_spec_size(value), "a formatted string (format)")
-    elif name == "batch":
-        count = _arg(args, kwargs, 1, "linecount")
-        if _arg(args, kwargs, 2, "fill_with") is not None and type(count) is int:
-            budget.check_predicted(count, "a batch")
-    elif name == "slice":
-        count = _arg(args, kwargs, 1, "slices")
-        if type(count) is int and count > _MAX_ITEMS:
-            raise BudgetExceeded(f"chat template asked `slice` for more than {_MAX_ITEMS} slices (its item budget)")
-    elif name in ("string", "pprint"):
-        budget.check_predicted(text_size(value, budget.max_bytes), f"a string ({name})")
-    return args
+    @jinja2.compiler.optimizeconst
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: jinja2.compiler.Frame) -> None:
+        self.write("environment.tb_concat(context.eval_ctx, (")
+        for part in node.nodes:
+            self.visit(part, frame)
+            self.write(", ")
+        self.write("))")
 
 
 def _guard_filter(name: str, f: Any) -> Any:
@@ -381,13 +209,15 @@ def _guard_filter(name: str, f: Any) -> Any:
     where no budget applies ('x' | center(10**9) would be built while compiling).
     """
     pass_arg = _PassArg.from_obj(f)
+    check = FILTER_CHECKS.get(name)
 
     @jinja2.pass_context
     def guarded(context: Any, *args: Any, **kwargs: Any) -> Any:
-        budget = _BUDGET.get()
+        budget = ACTIVE.get()
         if budget is not None:
             budget.check_time()
-            args = _check_filter(budget, name, args, kwargs)
+            if check is not None and args:
+                args = check(budget, args, kwargs)
         if pass_arg is _PassArg.context:
             result = f(context, *args, **kwargs)
         elif pass_arg is _PassArg.eval_context:
@@ -404,28 +234,11 @@ def _guard_filter(name: str, f: Any) -> Any:
     return guarded
 
 
-def _check_str_method(budget: _Budget, owner: str, name: str, args: tuple, kwargs: dict) -> tuple:
-    """The checks a str method call gets before it runs; returns its arguments (join's iterable made a list)."""
-    if name in _PADDING_METHODS and args:
-        budget.check_width(args[0])
-    elif name in ("format", "format_map"):
-        budget.check_predicted(_format_spec_size(owner), f"a formatted string (str.{name})")
-    elif name == "join" and args:
-        args = (_bounded_parts(budget, args[0], owner, "a joined string (str.join)"), *args[1:])
-    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
-        count = args[2] if len(args) > 2 else kwargs.get("count", -1)
-        budget.check_predicted(_replace_size(owner, args[0], args[1], count), "a replaced string (str.replace)")
-    elif name == "expandtabs":
-        tabsize = args[0] if args else kwargs.get("tabsize", 8)
-        if type(tabsize) is int:
-            budget.check_predicted(len(owner) + owner.count("\t") * max(tabsize, 0), "an expanded string (expandtabs)")
-    return args
-
-
 class ChatEnvironment(ImmutableSandboxedEnvironment):
     """transformers' chat template environment, with hooks that keep each render within its budget."""
 
     intercepted_binops = frozenset({"*", "**", "+", "%"})
+    code_generator_class = _CodeGenerator
 
     def __init__(self) -> None:
         super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
@@ -440,17 +253,19 @@ class ChatEnvironment(ImmutableSandboxedEnvironment):
         self.tb_concat = _concat
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
-        budget = _BUDGET.get()
+        budget = ACTIVE.get()
         if budget is not None:
             budget.check_time()
-            for a in (*args, *kwargs.values()):
+            for a in args:
+                budget.check_size(a)
+            for a in kwargs.values():
                 budget.check_size(a)
             target = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
             owner = getattr(target, "__self__", None)
             if isinstance(owner, str):
-                args = _check_str_method(budget, owner, getattr(target, "__name__", ""), args, kwargs)
+                args = check_str_method(budget, owner, getattr(target, "__name__", ""), args, kwargs)
             elif target is generate_lorem_ipsum:
-                n, most = _arg(args, kwargs, 0, "n", 5), _arg(args, kwargs, 3, "max", 100)
+                n, most = arg(args, kwargs, 0, "n", 5), arg(args, kwargs, 3, "max", 100)
                 if type(n) is int and type(most) is int:
                     budget.check_predicted(n * max(most, 0) * 12, "lorem ipsum (lipsum)")
         result = super().call(__context, __obj, *args, **kwargs)
@@ -459,7 +274,7 @@ class ChatEnvironment(ImmutableSandboxedEnvironment):
         return result
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        budget = _BUDGET.get()
+        budget = ACTIVE.get()
         if budget is not None:
             budget.check_time()
             if operator == "*":
@@ -477,30 +292,26 @@ class ChatEnvironment(ImmutableSandboxedEnvironment):
                 if right * abs(left).bit_length() > 8 * budget.max_bytes:
                     budget.over(right * abs(left).bit_length() // 8, "a number (**)")
             elif operator == "%" and isinstance(left, str):
-                budget.check_predicted(_percent_spec_size(left), "a formatted string (%)")
+                budget.check_predicted(percent_spec_size(left), "a formatted string (%)")
         result = super().call_binop(context, operator, left, right)
         if budget is not None:
             budget.check_size(result)
         return result
 
     def compile_template(self, source: str) -> jinja2.Template:
-        """Parse, route loops through the deadline guard and `~` through the size check, and compile."""
+        """Parse, route every for-loop's iterable through the deadline guard, and compile."""
         ast = _Rewrite().visit(self.parse(source))
         code = self.compile(ast)
         return self.template_class.from_code(self, code, self.make_globals(None), None)
 
 
 class _Rewrite(jinja2.visitor.NodeTransformer):
-    """Every for-loop's iterable through `tb_guard_iter`; every `a ~ b` through `tb_concat`."""
+    """Every for-loop's iterable through `tb_guard_iter` (a loop may produce no output at all)."""
 
     def visit_For(self, node: jinja2.nodes.For) -> jinja2.nodes.Node:
         node = self.generic_visit(node)
         node.iter = _env_call("tb_guard_iter", [node.iter], node.lineno)
         return node
-
-    def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Node:
-        node = self.generic_visit(node)
-        return _env_call("tb_concat", list(node.nodes), node.lineno)
 
 
 def _env_call(name: str, args: list, lineno: int) -> jinja2.nodes.Call:
@@ -509,8 +320,8 @@ def _env_call(name: str, args: list, lineno: int) -> jinja2.nodes.Call:
 
 def generate_bounded(template: jinja2.Template, variables: dict, *, max_seconds: float, max_bytes: int) -> list[str]:
     """The chunks `template` renders from `variables`; BudgetExceeded past `max_seconds` or `max_bytes` (UTF-8)."""
-    budget = _Budget(time.monotonic() + max_seconds, max_seconds, max_bytes)
-    token = _BUDGET.set(budget)
+    budget = Budget(time.monotonic() + max_seconds, max_seconds, max_bytes)
+    token = ACTIVE.set(budget)
     chunks: list[str] = []
     size = 0
     try:
@@ -521,5 +332,5 @@ def generate_bounded(template: jinja2.Template, variables: dict, *, max_seconds:
             budget.check_time()
             chunks.append(chunk)
     finally:
-        _BUDGET.reset(token)
+        ACTIVE.reset(token)
     return chunks
