@@ -10,6 +10,8 @@ added as special tokens, saved once per module, so both sides read the same file
 from __future__ import annotations
 
 import json
+import os
+import signal
 from datetime import datetime
 from pathlib import Path
 
@@ -451,6 +453,26 @@ def test_a_value_no_check_predicts_hits_the_memory_budget_and_the_next_render_wo
         r.render([{"role": "user", "content": "a"}])
     assert e.value.code == "template_error" and "memory budget of 128 MiB" in e.value.message
     assert _renderer("{{ messages[0].content }}", max_memory_bytes=128 * 2**20).render([{"role": "user", "content": "ok"}]) == "ok"
+
+
+def test_one_long_c_call_is_cut_at_the_deadline_by_killing_the_render_child():
+    r = _renderer("{{ ([[1]] * 300000) | sum(start=[]) | length }}", max_seconds=0.3)
+    _renderer("{{ messages[0].content }}").render([{"role": "user", "content": "start"}])
+    before = r.sandbox.pid()  # every renderer in a process shares one render child
+    with pytest.raises(ProtocolError) as e:
+        r.render([{"role": "user", "content": "a"}])
+    assert e.value.code == "template_error" and e.value.message == "chat template rendering took longer than 0.3 s"
+    assert _renderer("{{ messages[0].content }}").render([{"role": "user", "content": "next"}]) == "next"
+    assert r.sandbox.pid() not in (None, before)
+
+
+def test_a_render_child_that_died_while_idle_is_replaced():
+    r = _renderer("{{ messages[0].content }}")
+    assert r.render([{"role": "user", "content": "one"}]) == "one"
+    pid = r.sandbox.pid()
+    os.kill(pid, signal.SIGKILL)
+    assert r.render([{"role": "user", "content": "two"}]) == "two"
+    assert r.sandbox.pid() != pid
 
 
 def test_a_template_that_recurses_forever_is_a_template_error():

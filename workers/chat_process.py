@@ -130,15 +130,18 @@ class RenderProcess:
             number = self._numbers.setdefault(source, len(self._numbers))
             request = {"t": number, "vars": variables, "s": max_seconds, "b": max_bytes}
             for attempt in range(2):  # a child that died while idle is replaced once
-                child = self._ensure()
-                if number not in child.known:
-                    request.update(src=source, name=name)
+                child = None
                 try:
+                    child = self._ensure()
+                    if number not in child.known:
+                        request.update(src=source, name=name)
                     _write_all(child.proc.stdin.fileno(), _pack(request))
                     break
-                except OSError:
-                    self._discard(child)
+                except OSError as e:
+                    if child is not None:
+                        self._discard(child)
                     if attempt:
+                        log.error("chat template sandbox could not be started: %s", e)
                         raise ProtocolError("template_error", "the chat template sandbox could not be started") from None
             child.known.add(number)
             reply = self._await(child, time.monotonic() + max_seconds + _GRACE_SECONDS, max_seconds, max_bytes)
