@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -471,6 +472,10 @@ def test_a_render_child_that_died_while_idle_is_replaced():
     assert r.render([{"role": "user", "content": "one"}]) == "one"
     pid = r.sandbox.pid()
     os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while r.sandbox.pid() is not None:  # pid() polls the child: None once it is gone
+        assert time.monotonic() < deadline, "the killed render child never exited"
+        time.sleep(0.01)
     assert r.render([{"role": "user", "content": "two"}]) == "two"
     assert r.sandbox.pid() != pid
 

@@ -6,8 +6,9 @@ C-level call (sorting 16 million strings, one huge `str.join`) cannot be interru
 process, and any check we forget lets a value grow without bound. So the render itself runs in a child
 process that the worker starts once and reuses:
 
-- its address space is capped with RLIMIT_AS (its baseline after imports + `max_memory_bytes`), so an
-  allocation past the budget fails with MemoryError inside the child, whatever code path made it;
+- while it renders, its address space is capped with RLIMIT_AS (what it holds with the request read
+  + `max_memory_bytes`), so an allocation past the budget fails with MemoryError inside the child,
+  whatever code path made it; a child whose memory stays grown after a render is replaced;
 - the worker waits for the answer at most `max_seconds` (+ a short grace for the child's own, cleaner
   deadline error) and then kills the child, so a render is bounded in wall time even inside one call;
 - a child that was killed, died, or hit its memory limit is replaced on the next render.
@@ -221,9 +222,33 @@ def shared_render_process(max_memory_bytes: int = DEFAULT_MAX_MEMORY_BYTES) -> R
 # --- the child's side -------------------------------------------------------------------------------
 
 
-def _address_space_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+class _AddressSpace:
+    """This process's address space (from /proc/self/statm, kept open: a read costs ~5 us) and its limit."""
+
+    def __init__(self, budget: int) -> None:
+        import resource
+
+        self._resource = resource
+        self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self.budget = budget
+        self.baseline = self.now()
+
+    def now(self) -> int:
+        return int(os.pread(self._fd, 64, 0).split()[0]) * self._page
+
+    def limit(self) -> None:
+        """From here on, allocations past the budget fail (MemoryError): the request's input is already in."""
+        limit = self.now() + self.budget
+        self._resource.setrlimit(self._resource.RLIMIT_AS, (limit, self._resource.RLIM_INFINITY))
+
+    def unlimit(self) -> None:
+        """Reading the next request (trusted, bounded by the broker's request size limit) is not charged."""
+        self._resource.setrlimit(self._resource.RLIMIT_AS, (self._resource.RLIM_INFINITY, self._resource.RLIM_INFINITY))
+
+    def grew(self) -> bool:
+        """Whether memory a render freed stayed mapped (fragmentation): then the child is replaced."""
+        return self.now() > self.baseline + self.budget // 2
 
 
 def _die_with_parent() -> None:
@@ -270,9 +295,7 @@ def _serve_one(env: Any, compiled: dict, names: dict, request: dict, max_memory_
 
 
 def main(argv: list[str]) -> None:
-    """The child: cap the address space, then answer render requests on stdin until EOF."""
-    import resource
-
+    """The child: answer render requests on stdin until EOF, each render's address space capped."""
     from .chat_sandbox import ChatEnvironment
 
     max_memory_bytes = int(argv[0])
@@ -281,8 +304,7 @@ def main(argv: list[str]) -> None:
     out_fd = os.dup(1)
     os.dup2(2, 1)  # nothing but frames on the pipe, whatever prints
     env = ChatEnvironment()
-    limit = _address_space_bytes() + max_memory_bytes
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    space = _AddressSpace(max_memory_bytes)
     compiled: dict[int, Any] = {}
     names: dict[int, str] = {}
     while True:
@@ -292,16 +314,19 @@ def main(argv: list[str]) -> None:
         body = _read_exact(0, _HEADER.unpack(header)[0], None)
         if body is None:
             return
+        request = _unpack(body)
+        del body
+        space.limit()
         try:
-            request = _unpack(body)
-            del body
             reply = _serve_one(env, compiled, names, request, max_memory_bytes)
-            del request
-            frame = _pack(reply)
         except MemoryError:
             reply = {"error": _memory_message(max_memory_bytes), "recycle": True}
-            frame = _pack(reply)
-        _write_all(out_fd, frame)
+        finally:
+            space.unlimit()
+        del request
+        if space.grew():
+            reply["recycle"] = True
+        _write_all(out_fd, _pack(reply))
         if reply.get("recycle"):
             return
 
