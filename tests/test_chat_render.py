@@ -394,6 +394,7 @@ HUGE_VALUES = {
     "output": "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
     "repeat": "{{ 'ab' * 100000000 }}",
     "power": "{{ 7 ** 100000000 }}",
+    "squaring": "{% set ns = namespace(x=7) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
     "namespace_doubling": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
     "macro_doubling": "{% macro grow(s) %}{{ grow(s ~ s) }}{% endmacro %}{{ grow('ab') }}",
     "center": "{{ 'x' | center(1000000000) }}",

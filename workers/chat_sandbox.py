@@ -210,24 +210,29 @@ def _guard_filter(name: str, f: Any) -> Any:
     """
     pass_arg = _PassArg.from_obj(f)
     check = FILTER_CHECKS.get(name)
+    if pass_arg is _PassArg.context:
+        call = f
+    elif pass_arg is _PassArg.eval_context:
+        def call(context: Any, *args: Any, **kwargs: Any) -> Any:
+            return f(context.eval_ctx, *args, **kwargs)
+    elif pass_arg is _PassArg.environment:
+        def call(context: Any, *args: Any, **kwargs: Any) -> Any:
+            return f(context.environment, *args, **kwargs)
+    else:
+        def call(context: Any, *args: Any, **kwargs: Any) -> Any:
+            return f(*args, **kwargs)
 
     @jinja2.pass_context
     def guarded(context: Any, *args: Any, **kwargs: Any) -> Any:
         budget = ACTIVE.get()
-        if budget is not None:
+        if budget is None:
+            return call(context, *args, **kwargs)
+        if time.monotonic() > budget.deadline:
             budget.check_time()
-            if check is not None and args:
-                args = check(budget, args, kwargs)
-        if pass_arg is _PassArg.context:
-            result = f(context, *args, **kwargs)
-        elif pass_arg is _PassArg.eval_context:
-            result = f(context.eval_ctx, *args, **kwargs)
-        elif pass_arg is _PassArg.environment:
-            result = f(context.environment, *args, **kwargs)
-        else:
-            result = f(*args, **kwargs)
-        if budget is not None:
-            budget.check_size(result)
+        if check is not None and args:
+            args = check(budget, args, kwargs)
+        result = call(context, *args, **kwargs)
+        budget.check_size(result)
         return result
 
     guarded.__name__ = guarded.__qualname__ = f"guarded_{name}"
@@ -254,48 +259,52 @@ class ChatEnvironment(ImmutableSandboxedEnvironment):
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         budget = ACTIVE.get()
-        if budget is not None:
+        if budget is None:
+            return super().call(__context, __obj, *args, **kwargs)
+        if time.monotonic() > budget.deadline:
             budget.check_time()
-            for a in args:
-                budget.check_size(a)
-            for a in kwargs.values():
-                budget.check_size(a)
-            target = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
-            owner = getattr(target, "__self__", None)
-            if isinstance(owner, str):
-                args = check_str_method(budget, owner, getattr(target, "__name__", ""), args, kwargs)
-            elif target is generate_lorem_ipsum:
-                n, most = arg(args, kwargs, 0, "n", 5), arg(args, kwargs, 3, "max", 100)
-                if type(n) is int and type(most) is int:
-                    budget.check_predicted(n * max(most, 0) * 12, "lorem ipsum (lipsum)")
+        target = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+        owner = getattr(target, "__self__", None)
+        if isinstance(owner, str):
+            args = check_str_method(budget, owner, getattr(target, "__name__", ""), args, kwargs)
+        elif target is generate_lorem_ipsum:
+            n, most = arg(args, kwargs, 0, "n", 5), arg(args, kwargs, 3, "max", 100)
+            if type(n) is int and type(most) is int:
+                budget.check_predicted(n * max(most, 0) * 12, "lorem ipsum (lipsum)")
         result = super().call(__context, __obj, *args, **kwargs)
-        if budget is not None:
-            budget.check_size(result)
+        budget.check_size(result)
         return result
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         budget = ACTIVE.get()
-        if budget is not None:
+        if budget is None:
+            return super().call_binop(context, operator, left, right)
+        if time.monotonic() > budget.deadline:
             budget.check_time()
-            if operator == "*":
-                for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and type(n) is int and n > 1:
-                        size = len(seq) if isinstance(seq, str) else text_size(seq, budget.max_bytes // n + 1)
-                        budget.check_predicted(size * n, "a repeated value (*)")
-            elif operator == "+":
-                if isinstance(left, str) and isinstance(right, str):
-                    budget.check_predicted(len(left) + len(right), "a concatenation (+)")
-                elif isinstance(left, (list, tuple)) and isinstance(right, (list, tuple)):
-                    size = text_size(left, budget.max_bytes)
-                    budget.check_predicted(size + text_size(right, budget.max_bytes - size), "a concatenation (+)")
-            elif operator == "**" and type(left) is int and type(right) is int and right > 0 and abs(left) > 1:
-                if right * abs(left).bit_length() > 8 * budget.max_bytes:
-                    budget.over(right * abs(left).bit_length() // 8, "a number (**)")
-            elif operator == "%" and isinstance(left, str):
-                budget.check_predicted(percent_spec_size(left), "a formatted string (%)")
+        if operator == "+":
+            if type(left) is str and type(right) is str:  # the common case, kept short: it is on the request path
+                if len(left) + len(right) > budget.max_bytes:
+                    budget.over(len(left) + len(right), "a concatenation (+)")
+                return left + right
+            if type(left) is int and type(right) is int:
+                return left + right
+            if isinstance(left, (list, tuple)) and isinstance(right, (list, tuple)):
+                size = text_size(left, budget.max_bytes)
+                budget.check_predicted(size + text_size(right, budget.max_bytes - size), "a concatenation (+)")
+        elif operator == "*":
+            if type(left) is int and type(right) is int and left.bit_length() + right.bit_length() > 8 * budget.max_bytes:
+                budget.over((left.bit_length() + right.bit_length()) // 8, "a number (*)")
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and type(n) is int and n > 1:
+                    size = len(seq) if isinstance(seq, str) else text_size(seq, budget.max_bytes // n + 1)
+                    budget.check_predicted(size * n, "a repeated value (*)")
+        elif operator == "**" and type(left) is int and type(right) is int and right > 0 and abs(left) > 1:
+            if right * abs(left).bit_length() > 8 * budget.max_bytes:
+                budget.over(right * abs(left).bit_length() // 8, "a number (**)")
+        elif operator == "%" and isinstance(left, str):
+            budget.check_predicted(percent_spec_size(left), "a formatted string (%)")
         result = super().call_binop(context, operator, left, right)
-        if budget is not None:
-            budget.check_size(result)
+        budget.check_size(result)
         return result
 
     def compile_template(self, source: str) -> jinja2.Template:
