@@ -46,7 +46,7 @@ class Budget:
 
     def check_time(self) -> None:
         if time.monotonic() > self.deadline:
-            raise BudgetExceeded(f"chat template rendering took longer than {self.max_seconds:g} s")
+            raise BudgetExceeded(f"chat template rendering took longer than {self.max_seconds:g} s (its time budget)")
 
     def check_size(self, value: Any) -> None:
         """After a value is built: its length (characters, items or keys) within the size budget."""
@@ -61,7 +61,8 @@ class Budget:
     def check_width(self, width: Any) -> None:
         if type(width) is int and width > self.max_bytes:
             raise BudgetExceeded(
-                f"chat template asked for a width of {width}, over its size budget of {self.max_bytes} (the output limit)"
+                f"chat template asked for a width of {width}, "
+                f"over its size budget of {self.max_bytes} (the output limit)"
             )
 
     def over(self, size: int, what: str) -> NoReturn:
@@ -185,7 +186,8 @@ def _sorting(name: str) -> Callable[[Budget, tuple, dict], tuple]:
                     break
             value, args = items, (items, *args[1:])
         if len(value) > _MAX_ITEMS:
-            raise BudgetExceeded(f"chat template asked `{name}` to order more than {_MAX_ITEMS} items (its item budget)")
+            raise BudgetExceeded(
+                f"chat template asked `{name}` to order more than {_MAX_ITEMS} items (its item budget)")
         return args
     return check
 

@@ -88,7 +88,7 @@ def _memory_message(max_memory_bytes: int) -> str:
 
 
 def _time_message(max_seconds: float) -> str:
-    return f"chat template rendering took longer than {max_seconds:g} s"
+    return f"chat template rendering took longer than {max_seconds:g} s (its time budget)"
 
 
 # --- the worker's side ------------------------------------------------------------------------------
@@ -143,7 +143,8 @@ class RenderProcess:
                         self._discard(child)
                     if attempt:
                         log.error("chat template sandbox could not be started: %s", e)
-                        raise ProtocolError("template_error", "the chat template sandbox could not be started") from None
+                        raise ProtocolError(
+                            "template_error", "the chat template sandbox could not be started") from None
             child.known.add(number)
             reply = self._await(child, time.monotonic() + max_seconds + _GRACE_SECONDS, max_seconds, max_bytes)
         if "error" in reply:

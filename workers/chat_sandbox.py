@@ -292,8 +292,10 @@ class ChatEnvironment(ImmutableSandboxedEnvironment):
                 size = text_size(left, budget.max_bytes)
                 budget.check_predicted(size + text_size(right, budget.max_bytes - size), "a concatenation (+)")
         elif operator == "*":
-            if type(left) is int and type(right) is int and left.bit_length() + right.bit_length() > 8 * budget.max_bytes:
-                budget.over((left.bit_length() + right.bit_length()) // 8, "a number (*)")
+            if type(left) is int and type(right) is int:
+                bits = left.bit_length() + right.bit_length()
+                if bits > 8 * budget.max_bytes:
+                    budget.over(bits // 8, "a number (*)")
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and type(n) is int and n > 1:
                     size = len(seq) if isinstance(seq, str) else text_size(seq, budget.max_bytes // n + 1)
