@@ -411,6 +411,7 @@ HUGE_VALUES = {
     "str_replace": "{{ ('a' * 1000).replace('a', 'b' * 2000) | length }}",
     "replace_filter": "{{ ('a' * 1000) | replace('a', 'b' * 2000) | length }}",
     "tojson_indent": "{{ messages | tojson(indent=900000) | length }}",
+    "tojson_escapes": "{{ ('\U0001F600' * 100000) | tojson(ensure_ascii=true) | length }}",
     "tojson_separators": "{{ range(1000) | list | tojson(separators=('x' * 2000, ':')) | length }}",
     "format_7_digits": "{{ '{:999999}{:999999}'.format(1, 2) | length }}",
     "format_precision": "{{ '{:.999999f}{:.999999f}'.format(1.0, 2.0) | length }}",

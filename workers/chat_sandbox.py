@@ -128,7 +128,7 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: 
             sort_keys: bool = False) -> str:
     """transformers' tojson (no HTML escaping, json.dumps' own options), built within the size budget.
 
-    Small values take json.dumps' C path (the output is at most 8x the value's text size with the
+    Small values take json.dumps' C path (the output is at most 12x the value's text size with the
     default separators); an indent, custom separators or a big value stream through the encoder
     and stop as soon as the output passes the budget.
     """
@@ -140,7 +140,7 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: 
         budget.check_width(width)
         if width:  # the deepest line alone is indented depth x width
             budget.check_predicted(width * nesting_depth(x, budget.max_bytes // width + 1), "a JSON indentation")
-    if indent is None and separators is None and 8 * text_size(x, budget.max_bytes) + 64 <= budget.max_bytes:
+    if indent is None and separators is None and 12 * text_size(x, budget.max_bytes) + 64 <= budget.max_bytes:
         return json.dumps(x, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
     encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     chunks: list[str] = []
