@@ -1,7 +1,7 @@
 """Shared test fixtures: real tokenizer files shipped in tests/fixtures, and an offline tiktoken cache.
 
 The tiktoken cache is copied to a writable temporary folder once per session (tiktoken may delete
-or add files there) and TIKTOKEN_CACHE_DIR points at it, so every process the tests start, brokers
+or add files there), removed at session end, and TIKTOKEN_CACHE_DIR points at it, so every process the tests start, brokers
 and workers included, loads OpenAI encodings offline through tiktoken's own download cache.
 """
 
@@ -38,6 +38,11 @@ def deepseek_tokenizer_json() -> Path:
 @pytest.fixture(scope="session")
 def tiktoken_cache_dir() -> Path:
     return _cache_dir
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The session's copy of the tiktoken cache goes with it (every broker has stopped by now)."""
+    shutil.rmtree(_cache_dir, ignore_errors=True)
 
 
 # --- a real broker, as operators start it ----------------------------------------------------

@@ -10,6 +10,9 @@ added as special tokens, saved once per module, so both sides read the same file
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -387,25 +390,99 @@ def test_a_template_that_loops_too_long_is_stopped(template):
     assert e.value.code == "template_error" and "longer than 0.2 s" in e.value.message
 
 
-@pytest.mark.parametrize(
-    "template",
-    [
-        "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
-        "{{ 'ab' * 100000000 }}",
-        "{{ 7 ** 100000000 }}",
-        "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
-        "{% macro grow(s) %}{{ grow(s ~ s) }}{% endmacro %}{{ grow('ab') }}",
-        "{{ 'x' | center(1000000000) }}",
-        "{{ 'x'.ljust(1000000000) }}",
-        "{{ '%1000000000s' % 'x' }}",
-        "{{ '{:>1000000000}'.format('x') }}",
-    ],
-    ids=["output", "repeat", "power", "namespace_doubling", "macro_doubling", "center", "ljust", "percent", "format"],
-)
-def test_a_template_that_builds_a_huge_value_is_stopped(template):
+HUGE_VALUES = {
+    "output": "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+    "repeat": "{{ 'ab' * 100000000 }}",
+    "power": "{{ 7 ** 100000000 }}",
+    "squaring": "{% set ns = namespace(x=7) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+    "namespace_doubling": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "macro_doubling": "{% macro grow(s) %}{{ grow(s ~ s) }}{% endmacro %}{{ grow('ab') }}",
+    "center": "{{ 'x' | center(1000000000) }}",
+    "ljust": "{{ 'x'.ljust(1000000000) }}",
+    "percent": "{{ '%1000000000s' % 'x' }}",
+    "format": "{{ '{:>1000000000}'.format('x') }}",
+    # issue 11 row 5: values the old budget missed (each refused here before it is built)
+    "repeated_list": "{{ (['x' * 1000] * 2000) | join | length }}",
+    "join_filter": "{{ range(2000) | map('string') | map('center', 1000) | join | length }}",
+    "str_join": "{{ ''.join(range(2000) | map('string') | map('center', 1000)) | length }}",
+    "concat": "{% set s = 'x' * 600000 %}{{ (s ~ s) | length }}",
+    "plus": "{% set s = 'x' * 600000 %}{{ (s + s) | length }}",
+    "list_plus": "{% set l = ['x' * 600000] %}{{ (l + l) | length }}",
+    "str_replace": "{{ ('a' * 1000).replace('a', 'b' * 2000) | length }}",
+    "replace_filter": "{{ ('a' * 1000) | replace('a', 'b' * 2000) | length }}",
+    "tojson_indent": "{{ messages | tojson(indent=900000) | length }}",
+    "tojson_escapes": "{{ ('\U0001F600' * 100000) | tojson(ensure_ascii=true) | length }}",
+    "tojson_separators": "{{ range(1000) | list | tojson(separators=('x' * 2000, ':')) | length }}",
+    "format_7_digits": "{{ '{:999999}{:999999}'.format(1, 2) | length }}",
+    "format_precision": "{{ '{:.999999f}{:.999999f}'.format(1.0, 2.0) | length }}",
+    "percent_7_digits": "{{ ('%999999s%999999s' % ('a', 'b')) | length }}",
+    "format_filter": "{{ '%999999s%999999s' | format('a', 'b') | length }}",
+    "indent_filter": "{{ ('a\\n' * 1000) | indent(2000) | length }}",
+    "indent_keyword": "{{ ('a\\n' * 1000) | indent(width=2000) | length }}",
+    "expandtabs": "{{ ('\\t' * 1000).expandtabs(2000) | length }}",
+    "lipsum": "{{ lipsum(100000) | length }}",
+    "batch_fill": "{{ [1] | batch(2000000, 0) | list | length }}",
+    "string_filter": "{% set s = 'x' * 600000 %}{{ [s, s] | string | length }}",
+    "sort_items": "{{ ('x' * 200000) | list | sort | length }}",
+    "unique_items": "{{ ('x' * 200000) | list | unique | list | length }}",
+    "urlize_input": "{{ ('x ' * 200000) | urlize | length }}",
+    "slice_count": "{{ [1] | slice(1000000) | list | length }}",
+}
+
+
+@pytest.mark.parametrize("template", list(HUGE_VALUES.values()), ids=list(HUGE_VALUES))
+def test_a_template_that_builds_a_huge_value_is_stopped_naming_the_budget(template):
     with pytest.raises(ProtocolError) as e:
         _renderer(template, max_output_bytes=1_000_000).render([{"role": "user", "content": "a"}])
+    assert e.value.code == "template_error" and "budget" in e.value.message, e.value.message
+
+
+def test_values_within_the_budget_render_as_jinja_renders_them():
+    r = _renderer(
+        "{{ (['ab'] * 3) | join('-') }}|{{ 'a' ~ 1 ~ [2] }}|{{ 'aXa'.replace('a', 'bb') }}|"
+        "{{ 'x\\ny' | indent(2, true) }}|"
+        "{{ {'k': [1, 2]} | tojson(indent=1) }}|{{ '{:>4}'.format(7) }}|{{ '%3d' % 5 }}|{{ 'a\\tb'.expandtabs(4) }}|"
+        "{{ [3, 1, 2] | sort | join }}|{{ ['b', 'a', 'b'] | unique | join }}|{{ ('x', 'y') | join(attribute=0) }}",
+        max_output_bytes=10_000,
+    )
+    assert r.render([{"role": "user", "content": "a"}]) == (
+        "ab-ab-ab|a1[2]|bbXbb|  x\n  y|{\n \"k\": [\n  1,\n  2\n ]\n}|   7|  5|a   b|123|ba|xy"
+    )
+
+
+def test_a_value_no_check_predicts_hits_the_memory_budget_and_the_next_render_works():
+    r = _renderer("{% set s = 'x' * 1000000 %}{% set b %}{% for i in range(100000) %}{{ s }}{% endfor %}{% endset %}"
+                  "{{ b | length }}", max_output_bytes=2_000_000, max_memory_bytes=128 * 2**20)
+    with pytest.raises(ProtocolError) as e:
+        r.render([{"role": "user", "content": "a"}])
+    assert e.value.code == "template_error" and "memory budget of 128 MiB" in e.value.message
+    after = _renderer("{{ messages[0].content }}", max_memory_bytes=128 * 2**20)
+    assert after.render([{"role": "user", "content": "ok"}]) == "ok"
+
+
+def test_one_long_c_call_is_cut_at_the_deadline_by_killing_the_render_child():
+    r = _renderer("{{ ([[1]] * 300000) | sum(start=[]) | length }}", max_seconds=0.3)
+    _renderer("{{ messages[0].content }}").render([{"role": "user", "content": "start"}])
+    before = r.sandbox.pid()  # every renderer in a process shares one render child
+    with pytest.raises(ProtocolError) as e:
+        r.render([{"role": "user", "content": "a"}])
     assert e.value.code == "template_error"
+    assert e.value.message == "chat template rendering took longer than 0.3 s (its time budget)"
+    assert _renderer("{{ messages[0].content }}").render([{"role": "user", "content": "next"}]) == "next"
+    assert r.sandbox.pid() not in (None, before)
+
+
+def test_a_render_child_that_died_while_idle_is_replaced():
+    r = _renderer("{{ messages[0].content }}")
+    assert r.render([{"role": "user", "content": "one"}]) == "one"
+    pid = r.sandbox.pid()
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while r.sandbox.pid() is not None:  # pid() polls the child: None once it is gone
+        assert time.monotonic() < deadline, "the killed render child never exited"
+        time.sleep(0.01)
+    assert r.render([{"role": "user", "content": "two"}]) == "two"
+    assert r.sandbox.pid() != pid
 
 
 def test_a_template_that_recurses_forever_is_a_template_error():
@@ -429,11 +506,12 @@ def test_sandbox_blocks_unsafe_access():
         assert e.value.code == "template_error" and ("unsafe" in e.value.message or "underscore" in e.value.message)
 
 
-def test_each_template_is_compiled_once_per_renderer():
-    r = _renderer()
+def test_each_template_is_sent_to_the_render_child_once_and_kept_there():
+    r = _renderer("{% for m in messages %}{{ m.content }}{% endfor %}(sent once)")
     for _ in range(3):
-        r.render([{"role": "user", "content": "a"}])
-    assert len(r._compiled) == 1
+        assert r.render([{"role": "user", "content": "a"}]) == "a(sent once)"
+    number = r.sandbox._numbers[r.templates.default]
+    assert number in r.sandbox._child.known and r.sandbox.pid() is not None
 
 
 def test_render_does_not_touch_the_callers_messages():

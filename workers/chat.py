@@ -8,7 +8,8 @@ the templates). transformers itself is never imported here; tests compare our pr
 byte for byte.
 
 Templates come from the Hub, so they are untrusted code: they render in chat_sandbox.py's sandboxed
-environment, bounded in time and in output size (max_seconds, max_output_bytes).
+environment, bounded in time, output size and every value's size (max_seconds, max_output_bytes), inside
+a child process with an address-space limit and a kill timer (chat_process.py; max_memory_bytes).
 
 >>> r = ChatRenderer(ChatTemplates("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}", {}, "doc"), {})
 >>> r.render([{"role": "user", "content": "hi"}], add_generation_prompt=False)
@@ -19,17 +20,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import jinja2
-
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import type_name
 
-from .chat_sandbox import BudgetExceeded, ChatEnvironment, generate_bounded
+from .chat_process import DEFAULT_MAX_MEMORY_BYTES, shared_render_process
 from .chat_templates import ChatTemplates, discover_chat_templates, special_tokens_from_config
 
 __all__ = [
     "ChatRenderer", "ChatTemplates", "discover_chat_templates", "special_tokens_from_config",
-    "DEFAULT_MAX_OUTPUT_BYTES", "DEFAULT_MAX_SECONDS",
+    "DEFAULT_MAX_OUTPUT_BYTES", "DEFAULT_MAX_SECONDS", "DEFAULT_MAX_MEMORY_BYTES",
 ]
 
 DEFAULT_MAX_OUTPUT_BYTES = 16 * 2**20
@@ -182,7 +181,8 @@ def _cut_after_final_message(prompt: str, final: str) -> str:
 
 
 class ChatRenderer:
-    """Renders one model's chat templates; each template is compiled once, on first use, and kept."""
+    """Renders one model's chat templates in the worker's render child (chat_process.py), which compiles
+    each template once and keeps it."""
 
     def __init__(
         self,
@@ -191,13 +191,13 @@ class ChatRenderer:
         *,
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
         max_seconds: float = DEFAULT_MAX_SECONDS,
+        max_memory_bytes: int = DEFAULT_MAX_MEMORY_BYTES,
     ) -> None:
         self.templates = templates
         self._specials = dict(named_specials)
         self._max_bytes = max_output_bytes
         self._max_seconds = max_seconds
-        self._env = ChatEnvironment()
-        self._compiled: dict[str, jinja2.Template] = {}
+        self.sandbox = shared_render_process(max_memory_bytes)
 
     def render(
         self,
@@ -229,36 +229,8 @@ class ChatRenderer:
         tool_schemas = _prepare_tools(tools)
         kwargs, documents = _prepare_kwargs(extra, self._specials)
         final = _tag_final_message(chat, source) if continue_final_message else None
-        template = self._compile(source)
-        prompt = self._generate(template, {
+        prompt = self.sandbox.render(source, self.templates.source, {
             **kwargs, "messages": chat, "tools": tool_schemas, "documents": documents,
             "add_generation_prompt": add_generation_prompt,
-        })
+        }, max_seconds=self._max_seconds, max_bytes=self._max_bytes)
         return prompt if final is None else _cut_after_final_message(prompt, final)
-
-    def _compile(self, source: str) -> jinja2.Template:
-        compiled = self._compiled.get(source)
-        if compiled is None:
-            try:
-                compiled = self._env.compile_template(source)
-            except jinja2.TemplateSyntaxError as e:
-                raise ProtocolError(
-                    "template_error", f"chat template ({self.templates.source}) does not compile: line {e.lineno}: {e.message}"
-                ) from e
-            self._compiled[source] = compiled
-        return compiled
-
-    def _generate(self, template: jinja2.Template, variables: dict) -> str:
-        try:
-            chunks = generate_bounded(template, variables, max_seconds=self._max_seconds, max_bytes=self._max_bytes)
-        except BudgetExceeded as e:
-            raise ProtocolError("template_error", str(e)) from None
-        except jinja2.TemplateError as e:
-            raise ProtocolError("template_error", str(e) or type(e).__name__) from e
-        except RecursionError as e:
-            raise ProtocolError("template_error", "chat template recursed too deeply") from e
-        except MemoryError as e:
-            raise ProtocolError("template_error", "chat template ran out of memory") from e
-        except Exception as e:  # a template's own bug (TypeError, KeyError, ...) is the template's error
-            raise ProtocolError("template_error", f"chat template failed: {type(e).__name__}: {e}") from e
-        return "".join(chunks)

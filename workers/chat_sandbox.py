@@ -1,9 +1,14 @@
-"""The sandbox chat templates render in: transformers' Jinja environment, bounded in time and output size.
+"""The sandbox chat templates render in: transformers' Jinja environment, every value bounded in size and time.
 
-Templates come from the Hub, so they are untrusted code. Besides Jinja's immutable sandbox, a render
-is bounded in time and in output size, checked as chunks are generated, on every call and loop
-iteration the template makes, and where a value can be blown up without output (`*`, `**`, `+`, `%`,
-padding methods and filters, namespace attributes, macro arguments).
+Templates are hostile code (from the Hub, or from clients through `add_model`). Besides Jinja's
+immutable sandbox, a render has a time budget and a size budget (the output limit), and every value
+the template builds is charged against the size budget: before it is built where its size follows
+from the operands (`s * n`, `a ~ b`, `a + b`, `join`, `replace`, `indent`, format widths and
+precisions, `tojson`'s indent, padding widths), after it is built otherwise (every other filter
+result, every method call result). The deadline is checked on every call, filter and loop iteration;
+filters that are slow on big input (`sort`, `unique`, `dictsort`, `groupby`, `urlize`, `wordwrap`)
+refuse inputs over a fixed cap. chat_process.py runs all of this in a child process with an
+address-space limit and a kill timer, so what these checks miss is still bounded.
 
 >>> env = ChatEnvironment()
 >>> "".join(generate_bounded(env.compile_template("{{ 'ab' * 2 }}"), {}, max_seconds=1.0, max_bytes=16))
@@ -13,44 +18,38 @@ padding methods and filters, namespace attributes, macro arguments).
 from __future__ import annotations
 
 import json
-import re
 import time
-from contextvars import ContextVar
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Iterator, NoReturn
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
+import jinja2.filters
 import jinja2.nodes
 import jinja2.utils
+import jinja2.visitor
+from jinja2.filters import make_attrgetter
+from jinja2.runtime import markup_join, str_join
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import _PassArg, generate_lorem_ipsum
 
-_WIDE_FORMAT = re.compile(r"\d{8,}")  # a width or precision of 8+ digits in a format string
-_PADDING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
+from .chat_budget import (
+    ACTIVE,
+    FILTER_CHECKS,
+    Budget,
+    BudgetExceeded,
+    arg,
+    bounded_parts,
+    check_str_method,
+    nesting_depth,
+    percent_spec_size,
+    text_size,
+)
 
+__all__ = ["BudgetExceeded", "ChatEnvironment", "generate_bounded"]
 
-class BudgetExceeded(Exception):
-    """A render ran past its time or size bound."""
-
-
-@dataclass(frozen=True)
-class _Budget:
-    deadline: float
-    max_seconds: float
-    max_bytes: int
-
-    def check_time(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise BudgetExceeded(f"chat template rendering took longer than {self.max_seconds:g} s")
-
-    def check_size(self, value: Any) -> None:
-        if isinstance(value, (str, list, tuple, dict)) and len(value) > self.max_bytes:
-            raise BudgetExceeded(f"chat template built a value longer than {self.max_bytes} (the output limit)")
-
-    def check_width(self, width: Any) -> None:
-        if type(width) is int and width > self.max_bytes:
-            raise BudgetExceeded(f"chat template asked for a width of {width} (over the output limit)")
+_JINJA_JOIN = jinja2.filters.sync_do_join
 
 
 class _Namespace(jinja2.utils.Namespace):
@@ -65,7 +64,7 @@ class _Namespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name: str, value: Any) -> None:
         _check_namespace_name(name)
-        budget = _BUDGET.get()
+        budget = ACTIVE.get()
         if budget is not None:
             budget.check_time()
             budget.check_size(value)
@@ -109,7 +108,7 @@ class _GuardedIterator:
 
     __slots__ = ("_it", "_budget")
 
-    def __init__(self, it: Iterator, budget: _Budget) -> None:
+    def __init__(self, it: Iterator, budget: Budget) -> None:
         self._it = it
         self._budget = budget
 
@@ -121,18 +120,37 @@ class _GuardedIterator:
         return next(self._it)
 
 
-# The active render's budget: context-local, set and reset around each render (None outside one).
-_BUDGET: ContextVar[_Budget | None] = ContextVar("tokenbroker_chat_budget", default=None)
-
-
 def _raise_exception(message: Any) -> NoReturn:
     raise jinja2.exceptions.TemplateError(message)
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
             sort_keys: bool = False) -> str:
-    # transformers' tojson: no HTML escaping, and json.dumps' own options.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    """transformers' tojson (no HTML escaping, json.dumps' own options), built within the size budget.
+
+    Small values take json.dumps' C path (the output is at most 12x the value's text size with the
+    default separators); an indent, custom separators or a big value stream through the encoder
+    and stop as soon as the output passes the budget.
+    """
+    budget = ACTIVE.get()
+    if budget is None:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    if type(indent) is int or isinstance(indent, str):
+        width = len(indent) if isinstance(indent, str) else max(indent, 0)
+        budget.check_width(width)
+        if width:  # the deepest line alone is indented depth x width
+            budget.check_predicted(width * nesting_depth(x, budget.max_bytes // width + 1), "a JSON indentation")
+    if indent is None and separators is None and 12 * text_size(x, budget.max_bytes) + 64 <= budget.max_bytes:
+        return json.dumps(x, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+    encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    chunks: list[str] = []
+    size = 0
+    for chunk in encoder.iterencode(x):
+        size += len(chunk)
+        if size > budget.max_bytes:
+            budget.over(size, "a JSON text (tojson)")
+        chunks.append(chunk)
+    return "".join(chunks)
 
 
 def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
@@ -140,108 +158,190 @@ def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call i
 
 
 def _guard_iter(iterable: Any) -> Any:
-    budget = _BUDGET.get()
+    budget = ACTIVE.get()
     if budget is None:
         return iterable
     return _GuardedIterator(iter(iterable), budget)
+
+
+@jinja2.pass_eval_context
+def _join(eval_ctx: Any, value: Any, d: str = "", attribute: Any = None) -> str:
+    """Jinja's join, charged against the size budget before the joined string is built."""
+    budget = ACTIVE.get()
+    if budget is not None:
+        if attribute is not None:
+            value, attribute = map(make_attrgetter(eval_ctx.environment, attribute), value), None
+        value = bounded_parts(budget, value, str(d), "a joined string (join)")
+    return _JINJA_JOIN(eval_ctx, value, d, attribute)
+
+
+def _concat(eval_ctx: Any, parts: tuple) -> str:
+    """`a ~ b ~ ...`, charged against the size budget before the string is built (Jinja's own join after)."""
+    budget = ACTIVE.get()
+    if budget is not None:
+        size = 0
+        for p in parts:
+            size += len(p) if isinstance(p, str) else text_size(p, budget.max_bytes)
+            budget.check_predicted(size, "a concatenation (~)")
+    return markup_join(parts) if eval_ctx.autoescape else str_join(parts)
+
+
+class _CodeGenerator(jinja2.compiler.CodeGenerator):
+    """Jinja's code generator, except that `a ~ b` calls the environment's size-checked concat.
+
+    Generated directly (not as a template-level call) so that the sandbox's call hook, which every
+    `~` would otherwise pass through, costs nothing on the request path.
+    """
+
+    @jinja2.compiler.optimizeconst
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: jinja2.compiler.Frame) -> None:
+        self.write("environment.tb_concat(context.eval_ctx, (")
+        for part in node.nodes:
+            self.visit(part, frame)
+            self.write(", ")
+        self.write("))")
+
+
+def _guard_filter(name: str, f: Any) -> Any:
+    """`f` with the deadline checked and its arguments and result charged against the size budget.
+
+    The guard takes the context so that Jinja never folds a filter into a constant at compile time,
+    where no budget applies ('x' | center(10**9) would be built while compiling).
+    """
+    pass_arg = _PassArg.from_obj(f)
+    check = FILTER_CHECKS.get(name)
+    if pass_arg is _PassArg.context:
+        call = f
+    elif pass_arg is _PassArg.eval_context:
+        def call(context: Any, *args: Any, **kwargs: Any) -> Any:
+            return f(context.eval_ctx, *args, **kwargs)
+    elif pass_arg is _PassArg.environment:
+        def call(context: Any, *args: Any, **kwargs: Any) -> Any:
+            return f(context.environment, *args, **kwargs)
+    else:
+        def call(context: Any, *args: Any, **kwargs: Any) -> Any:
+            return f(*args, **kwargs)
+
+    @jinja2.pass_context
+    def guarded(context: Any, *args: Any, **kwargs: Any) -> Any:
+        budget = ACTIVE.get()
+        if budget is None:
+            return call(context, *args, **kwargs)
+        if time.monotonic() > budget.deadline:
+            budget.check_time()
+        if check is not None and args:
+            args = check(budget, args, kwargs)
+        result = call(context, *args, **kwargs)
+        budget.check_size(result)
+        return result
+
+    guarded.__name__ = guarded.__qualname__ = f"guarded_{name}"
+    return guarded
 
 
 class ChatEnvironment(ImmutableSandboxedEnvironment):
     """transformers' chat template environment, with hooks that keep each render within its budget."""
 
     intercepted_binops = frozenset({"*", "**", "+", "%"})
+    code_generator_class = _CodeGenerator
 
     def __init__(self) -> None:
         super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
         self.filters["tojson"] = _tojson
-        self.filters["center"] = self._wrap_width_filter(self.filters["center"], "width", 1)
-        self.filters["indent"] = self._wrap_width_filter(self.filters["indent"], "width", 1)
-        self.filters["format"] = self._format_filter(self.filters["format"])
+        self.filters["join"] = _join
+        self.filters = {name: _guard_filter(name, f) for name, f in self.filters.items()}
         self.globals["raise_exception"] = _raise_exception
         self.globals["strftime_now"] = _strftime_now
         self.globals["dict"] = _TemplateDict()
         self.globals["namespace"] = _Namespace
         self.tb_guard_iter = _guard_iter
-
-    # The wrappers take the context so that Jinja never folds them into constants at compile time,
-    # where no budget applies ('x' | center(10**9) would be built while compiling).
-    @staticmethod
-    def _wrap_width_filter(f: Any, name: str, position: int) -> Any:
-        @jinja2.pass_context
-        def wrapped(_context: Any, *args: Any, **kwargs: Any) -> Any:
-            budget = _BUDGET.get()
-            if budget is not None:
-                budget.check_width(kwargs.get(name, args[position] if len(args) > position else None))
-            return f(*args, **kwargs)
-        return wrapped
-
-    @staticmethod
-    def _format_filter(f: Any) -> Any:
-        @jinja2.pass_context
-        def wrapped(_context: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
-            if _BUDGET.get() is not None and isinstance(value, str) and _WIDE_FORMAT.search(value):
-                raise BudgetExceeded("chat template used a format width of 8 or more digits")
-            return f(value, *args, **kwargs)
-        return wrapped
+        self.tb_concat = _concat
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
-        budget = _BUDGET.get()
-        if budget is not None:
+        budget = ACTIVE.get()
+        if budget is None:
+            return super().call(__context, __obj, *args, **kwargs)
+        if time.monotonic() > budget.deadline:
             budget.check_time()
-            for a in args:
-                budget.check_size(a)
-            target = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
-            owner = getattr(target, "__self__", None)
-            if isinstance(owner, str):
-                name = getattr(target, "__name__", "")
-                if name in _PADDING_METHODS and args:
-                    budget.check_width(args[0])
-                elif name in ("format", "format_map") and _WIDE_FORMAT.search(owner):
-                    raise BudgetExceeded("chat template used a format width of 8 or more digits")
-        return super().call(__context, __obj, *args, **kwargs)
+        target = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+        owner = getattr(target, "__self__", None)
+        if isinstance(owner, str):
+            args = check_str_method(budget, owner, getattr(target, "__name__", ""), args, kwargs)
+        elif target is generate_lorem_ipsum:
+            n, most = arg(args, kwargs, 0, "n", 5), arg(args, kwargs, 3, "max", 100)
+            if type(n) is int and type(most) is int:
+                budget.check_predicted(n * max(most, 0) * 12, "lorem ipsum (lipsum)")
+        result = super().call(__context, __obj, *args, **kwargs)
+        budget.check_size(result)
+        return result
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        budget = _BUDGET.get()
-        if budget is not None:
+        budget = ACTIVE.get()
+        if budget is None:
+            return super().call_binop(context, operator, left, right)
+        if time.monotonic() > budget.deadline:
             budget.check_time()
-            if operator == "*":
-                for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and type(n) is int and len(seq) * n > budget.max_bytes:
-                        raise BudgetExceeded("chat template repeated a value past the output limit")
-            elif operator == "**" and type(left) is int and type(right) is int and right > 0 and abs(left) > 1:
-                if right * abs(left).bit_length() > 8 * budget.max_bytes:
-                    raise BudgetExceeded("chat template raised a number to a power past the output limit")
-            elif operator == "%" and isinstance(left, str) and _WIDE_FORMAT.search(left):
-                raise BudgetExceeded("chat template used a format width of 8 or more digits")
+        if operator == "+":
+            if type(left) is str and type(right) is str:  # the common case, kept short: it is on the request path
+                if len(left) + len(right) > budget.max_bytes:
+                    budget.over(len(left) + len(right), "a concatenation (+)")
+                return left + right
+            if type(left) is int and type(right) is int:
+                return left + right
+            if isinstance(left, (list, tuple)) and isinstance(right, (list, tuple)):
+                size = text_size(left, budget.max_bytes)
+                budget.check_predicted(size + text_size(right, budget.max_bytes - size), "a concatenation (+)")
+        elif operator == "*":
+            if type(left) is int and type(right) is int:
+                bits = left.bit_length() + right.bit_length()
+                if bits > 8 * budget.max_bytes:
+                    budget.over(bits // 8, "a number (*)")
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and type(n) is int and n > 1:
+                    size = len(seq) if isinstance(seq, str) else text_size(seq, budget.max_bytes // n + 1)
+                    budget.check_predicted(size * n, "a repeated value (*)")
+        elif operator == "**" and type(left) is int and type(right) is int and right > 0 and abs(left) > 1:
+            if right * abs(left).bit_length() > 8 * budget.max_bytes:
+                budget.over(right * abs(left).bit_length() // 8, "a number (**)")
+        elif operator == "%" and isinstance(left, str):
+            budget.check_predicted(percent_spec_size(left), "a formatted string (%)")
         result = super().call_binop(context, operator, left, right)
-        if budget is not None:
-            budget.check_size(result)
+        budget.check_size(result)
         return result
 
     def compile_template(self, source: str) -> jinja2.Template:
         """Parse, route every for-loop's iterable through the deadline guard, and compile."""
-        ast = self.parse(source)
-        for loop in ast.find_all(jinja2.nodes.For):
-            loop.iter = jinja2.nodes.Call(
-                jinja2.nodes.EnvironmentAttribute("tb_guard_iter"), [loop.iter], [], None, None
-            ).set_lineno(loop.lineno)
+        ast = _Rewrite().visit(self.parse(source))
         code = self.compile(ast)
         return self.template_class.from_code(self, code, self.make_globals(None), None)
 
 
+class _Rewrite(jinja2.visitor.NodeTransformer):
+    """Every for-loop's iterable through `tb_guard_iter` (a loop may produce no output at all)."""
+
+    def visit_For(self, node: jinja2.nodes.For) -> jinja2.nodes.Node:
+        node = self.generic_visit(node)
+        node.iter = _env_call("tb_guard_iter", [node.iter], node.lineno)
+        return node
+
+
+def _env_call(name: str, args: list, lineno: int) -> jinja2.nodes.Call:
+    return jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute(name), args, [], None, None).set_lineno(lineno)
+
+
 def generate_bounded(template: jinja2.Template, variables: dict, *, max_seconds: float, max_bytes: int) -> list[str]:
     """The chunks `template` renders from `variables`; BudgetExceeded past `max_seconds` or `max_bytes` (UTF-8)."""
-    budget = _Budget(time.monotonic() + max_seconds, max_seconds, max_bytes)
-    token = _BUDGET.set(budget)
+    budget = Budget(time.monotonic() + max_seconds, max_seconds, max_bytes)
+    token = ACTIVE.set(budget)
     chunks: list[str] = []
     size = 0
     try:
         for chunk in template.generate(**variables):
             size += len(chunk) if chunk.isascii() else len(chunk.encode("utf-8", "surrogatepass"))
             if size > max_bytes:
-                raise BudgetExceeded(f"chat template output is longer than {max_bytes} bytes")
+                raise BudgetExceeded(f"chat template output is longer than {max_bytes} bytes (its output budget)")
             budget.check_time()
             chunks.append(chunk)
     finally:
-        _BUDGET.reset(token)
+        ACTIVE.reset(token)
     return chunks
