@@ -1,3 +1,38 @@
 """tokenbroker: tokenization offloaded from the inference scheduler, over ZeroMQ."""
 
 __version__ = "0.1.0"
+
+# This is the public API: the client, its results and its errors (docs/client.md). Everything
+# else in the package (the broker, the workers, the CLI, modules starting with `_`) is not.
+from tokenbroker.client import (
+    AsyncClient,
+    AsyncDetokenizeStream,
+    BadRequest,
+    CacheInfo,
+    ChatTokens,
+    Client,
+    Count,
+    DetokenizeStream,
+    EndpointStatus,
+    Forbidden,
+    Internal,
+    InvalidInput,
+    ModelInfo,
+    ModelState,
+    Overloaded,
+    Pong,
+    RemovedModel,
+    StreamDelta,
+    TemplateError,
+    Text,
+    TextBatch,
+    Timeout,
+    TokenbrokerError,
+    Tokens,
+    TokensBatch,
+    TooLarge,
+    Unavailable,
+    UnknownModel,
+    UnknownOp,
+    WorkerFailed,
+)

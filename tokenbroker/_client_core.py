@@ -1,0 +1,361 @@
+"""The asyncio engine under both clients: pipelined calls over one DEALER per broker, failing over.
+
+Each call gets an id from this client's counter and one future in `_calls`; replies come back in
+completion order and one reader task per socket matches them by id (a reply whose id is no
+longer pending is dropped). A call is sent to the live broker with the fewest calls outstanding,
+with `deadline_ms` set to what is left of its deadline, and is failed locally as `Unavailable`
+shortly after that deadline if no reply came.
+
+Liveness is the ZeroMQ Guide's Freelance / Lazy Pirate pattern seen from the client: a broker
+silent for half the liveness window while calls are outstanding is sent a `ping` (the broker
+answers it itself); silent for the whole window, it is left: its socket is closed and opened
+again (so stale replies and queued requests die with it), its outstanding calls are re-sent to
+another live broker (every op is idempotent), and it is probed until it answers again.
+`overloaded` replies are retried with full-jitter exponential backoff while the deadline allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from ._client_errors import Unavailable
+from ._client_keys import CurveKeys
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_LIVENESS_S = 2.0
+# The broker answers `timeout` at the deadline it was sent; give that reply this long to arrive
+# before failing the call locally, so a live broker's own answer wins.
+LOCAL_GRACE_S = 0.05
+BACKOFF_BASE_S = 0.005  # first `overloaded` retry waits up to this; each next one up to twice as long
+BACKOFF_MAX_S = 0.25
+MAX_DEADLINE_MS = 2**31 - 1  # the broker takes larger values as this
+
+
+@dataclass(eq=False, slots=True)
+class _Call:
+    """One pending call: its body (sent again on failover or retry), future and timers."""
+
+    id: int
+    body: dict
+    future: asyncio.Future
+    deadline: float  # loop time
+    timeout: float
+    link: "_Link | None" = None
+    timer: asyncio.TimerHandle | None = None
+    retry: asyncio.TimerHandle | None = None
+    attempts: int = 0
+
+
+@dataclass(frozen=True)
+class EndpointStatus:
+    """One broker as this client sees it (for a scheduler's own metrics and for tests)."""
+
+    endpoint: str
+    alive: bool
+    outstanding: int  # calls sent there and not yet answered
+    sent: int  # requests sent there, first attempts and re-sends alike
+    resent: int  # calls moved away from it when it was left
+    retried: int  # `overloaded` answers from it that were retried
+    dropped: int  # replies from it for ids no longer pending (late, duplicate, or a probe's)
+    left: int  # times it was left for not answering
+
+
+@dataclass(eq=False)
+class _Link:
+    """One broker endpoint: its DEALER (async, plus a sync shadow for draining), reader and liveness."""
+
+    endpoint: str
+    sock: zmq.asyncio.Socket | None = None
+    shadow: zmq.Socket | None = None
+    reader: asyncio.Task | None = None
+    alive: bool = True
+    heard: float = 0.0  # loop time of the last frame received
+    busy_since: float = 0.0  # loop time its outstanding calls went from none to some
+    left_at: float = 0.0
+    probe_id: int | None = None
+    probe_sent: float = 0.0
+    outstanding: dict[int, _Call] = field(default_factory=dict)
+    sent: int = 0
+    resent: int = 0
+    retried: int = 0
+    dropped: int = 0
+    left: int = 0
+
+    def status(self) -> EndpointStatus:
+        return EndpointStatus(self.endpoint, self.alive, len(self.outstanding), self.sent, self.resent,
+                              self.retried, self.dropped, self.left)
+
+
+class Core:
+    """Calls in, reply maps out; knows the wire's envelope and liveness, nothing of any op's fields."""
+
+    def __init__(self, endpoints: Sequence[str], *, context: zmq.asyncio.Context | None,
+                 curve: CurveKeys | None, liveness_s: float) -> None:
+        if not endpoints:
+            raise ValueError("endpoints: give at least one broker endpoint")
+        if liveness_s <= 0:
+            raise ValueError(f"liveness_s must be > 0, got {liveness_s}")
+        self._links = [_Link(e) for e in dict.fromkeys(endpoints)]
+        self._live = list(self._links)
+        self._context = context
+        self._curve = curve
+        self._liveness = liveness_s
+        self._ids = itertools.count(1)
+        self._calls: dict[int, _Call] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watcher: asyncio.Task | None = None
+        self._packer = msgpack.Packer(use_bin_type=True)
+        self._rng = random.Random()
+        self._closed = False
+
+    # --- the hot path --------------------------------------------------------------------
+
+    async def call(self, body: dict, timeout: float) -> dict:
+        """Send `body` (an op's fields) and return the reply map, ok or not; `Unavailable` if none came."""
+        loop = self._loop or self._start()
+        rid = next(self._ids)
+        body["id"] = rid
+        now = loop.time()
+        call = _Call(rid, body, loop.create_future(), now + timeout, timeout)
+        self._calls[rid] = call
+        call.timer = loop.call_at(call.deadline + LOCAL_GRACE_S, self._expire, call)
+        self._send(call, self._pick(), now)
+        try:
+            return await call.future
+        finally:
+            if self._calls.pop(rid, None) is not None:  # cancelled: nothing else removed it
+                self._forget(call)
+
+    def _pick(self) -> _Link:
+        live = self._live
+        if len(live) == 1:
+            return live[0]
+        if not live:  # every broker is silent: keep trying them all, the first to answer wins
+            return self._rng.choice(self._links)
+        return min(live, key=lambda link: len(link.outstanding))
+
+    def _send(self, call: _Call, link: _Link, now: float) -> None:
+        body = call.body
+        body["deadline_ms"] = min(MAX_DEADLINE_MS, max(1, int((call.deadline - now) * 1000)))
+        if not link.outstanding:
+            link.busy_since = now
+        link.outstanding[call.id] = call
+        call.link = link
+        link.sent += 1
+        # The async socket's own send: immediate with an unbounded send queue, and it keeps
+        # pyzmq's edge-triggered wake-ups right for the reader.
+        link.sock.send_multipart((b"", self._packer.pack(body)))  # type: ignore[union-attr]
+
+    async def _read(self, link: _Link, sock: zmq.asyncio.Socket, shadow: zmq.Socket) -> None:
+        """The one reader of `sock`: wait for a reply, then drain every one already there."""
+        while True:
+            frames = await sock.recv_multipart()
+            self._on_reply(link, frames[-1])
+            while True:
+                try:
+                    frames = shadow.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_reply(link, frames[-1])
+
+    def _on_reply(self, link: _Link, payload: bytes) -> None:
+        now = self._loop.time()  # type: ignore[union-attr]
+        link.heard = now
+        if not link.alive:
+            self._revive(link)
+        try:
+            reply = msgpack.unpackb(payload, raw=False)
+            rid = reply.get("id")
+        except Exception:  # not ours to judge: a reply we cannot read is dropped like a stray one
+            link.dropped += 1
+            return
+        if rid is not None and rid == link.probe_id:
+            link.probe_id = None
+            return
+        call = self._calls.get(rid)
+        if call is None:
+            link.dropped += 1
+            return
+        if reply.get("ok") is not True and (reply.get("error") or {}).get("code") == "overloaded":
+            if self._backoff(call, link, now):
+                return
+        del self._calls[rid]
+        self._forget(call)
+        if not call.future.done():
+            call.future.set_result(reply)
+
+    def _forget(self, call: _Call) -> None:
+        """Drop every reference the engine holds to a call that is answered, expired or cancelled."""
+        if call.link is not None:
+            call.link.outstanding.pop(call.id, None)
+            call.link = None
+        if call.timer is not None:
+            call.timer.cancel()
+        if call.retry is not None:
+            call.retry.cancel()
+
+    # --- overloaded, deadlines -----------------------------------------------------------
+
+    def _backoff(self, call: _Call, link: _Link, now: float) -> bool:
+        """Schedule another attempt after a jittered wait if the deadline allows; False to give up."""
+        delay = self._rng.uniform(0, min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**call.attempts))
+        if now + delay >= call.deadline:
+            return False
+        call.attempts += 1
+        link.retried += 1
+        link.outstanding.pop(call.id, None)
+        call.link = None
+        call.retry = self._loop.call_at(now + delay, self._resend, call)  # type: ignore[union-attr]
+        return True
+
+    def _resend(self, call: _Call) -> None:
+        call.retry = None
+        if call.id in self._calls:
+            self._send(call, self._pick(), self._loop.time())  # type: ignore[union-attr]
+
+    def _expire(self, call: _Call) -> None:
+        call.timer = None
+        if self._calls.pop(call.id, None) is None:
+            return
+        self._forget(call)
+        if not call.future.done():
+            tried = ", ".join(link.endpoint for link in self._links)
+            call.future.set_exception(Unavailable(
+                "unavailable", f"no broker answered {call.body.get('op')!r} within {call.timeout:g} s (tried {tried})"))
+
+    # --- liveness ------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """Probe quiet brokers, leave silent ones, reconnect and probe the ones left."""
+        loop = self._loop
+        interval = self._liveness / 4
+        while True:
+            await asyncio.sleep(interval)
+            now = loop.time()  # type: ignore[union-attr]
+            for link in self._links:
+                self._check(link, now)
+
+    def _check(self, link: _Link, now: float) -> None:
+        half = self._liveness / 2
+        if link.alive:
+            if not link.outstanding and link.probe_id is None:
+                return
+            quiet = now - max(link.heard, link.busy_since)
+            if quiet > self._liveness:
+                self._leave(link, now)
+            elif quiet > half and link.probe_id is None:
+                self._probe(link, now)
+        elif now - link.left_at > self._liveness:
+            self._reconnect(link, now)  # Lazy Pirate: a fresh socket, not a queue of stale requests
+            for call in list(link.outstanding.values()):
+                self._send(call, link, now)
+            self._probe(link, now)
+        elif link.probe_id is None or now - link.probe_sent > half:
+            self._probe(link, now)
+
+    def _probe(self, link: _Link, now: float) -> None:
+        link.probe_id = next(self._ids)
+        link.probe_sent = now
+        ping = {"id": link.probe_id, "op": "ping", "deadline_ms": max(1, int(self._liveness * 1000))}
+        link.sock.send_multipart((b"", self._packer.pack(ping)))  # type: ignore[union-attr]
+
+    def _leave(self, link: _Link, now: float) -> None:
+        link.alive = False
+        link.left += 1
+        self._live = [x for x in self._links if x.alive]
+        self._reconnect(link, now)
+        moved = list(link.outstanding.values())
+        link.outstanding.clear()
+        for call in moved:
+            call.link = None
+            link.resent += 1
+            self._send(call, self._pick() if self._live else link, now)
+        self._probe(link, now)
+
+    def _revive(self, link: _Link) -> None:
+        """A left broker answered again: serve from it, and give it the calls parked on silent ones."""
+        link.alive = True
+        self._live = [x for x in self._links if x.alive]
+        now = self._loop.time()  # type: ignore[union-attr]
+        for other in self._links:
+            if not other.alive and other.outstanding:
+                parked = list(other.outstanding.values())
+                other.outstanding.clear()
+                for call in parked:
+                    call.link = None
+                    other.resent += 1
+                    self._send(call, link, now)
+
+    def _reconnect(self, link: _Link, now: float) -> None:
+        self._close_link(link)
+        self._open_link(link)
+        link.left_at = now
+        link.probe_id = None
+
+    # --- sockets -------------------------------------------------------------------------
+
+    def _start(self) -> asyncio.AbstractEventLoop:
+        if self._closed:
+            raise Unavailable("unavailable", "the client is closed")
+        self._loop = asyncio.get_running_loop()
+        if self._context is None:
+            self._context = zmq.asyncio.Context.instance()
+        for link in self._links:
+            self._open_link(link)
+        self._watcher = self._loop.create_task(self._watch())
+        return self._loop
+
+    def _open_link(self, link: _Link) -> None:
+        sock = self._context.socket(zmq.DEALER)  # type: ignore[union-attr]
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the calls pending, which the caller bounds
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if self._curve is not None:
+            self._curve.apply(sock)
+        sock.connect(link.endpoint)
+        link.sock = sock
+        link.shadow = zmq.Socket.shadow(sock.underlying)
+        link.reader = self._loop.create_task(self._read(link, sock, link.shadow))  # type: ignore[union-attr]
+
+    @staticmethod
+    def _close_link(link: _Link) -> None:
+        if link.reader is not None:
+            link.reader.cancel()
+            link.reader = None
+        if link.sock is not None:
+            link.sock.close(linger=0)
+            link.sock = link.shadow = None
+
+    def status(self) -> list[EndpointStatus]:
+        return [link.status() for link in self._links]
+
+    def pending(self) -> int:
+        """Calls neither answered, expired nor cancelled (0 once every call's task has finished)."""
+        return len(self._calls)
+
+    async def aclose(self) -> None:
+        """Fail what is pending as `Unavailable`, stop the tasks, close the sockets."""
+        self._closed = True
+        for call in list(self._calls.values()):
+            self._calls.pop(call.id, None)
+            self._forget(call)
+            if not call.future.done():
+                call.future.set_exception(Unavailable("unavailable", "the client was closed"))
+        if self._watcher is not None:
+            self._watcher.cancel()
+        tasks = [t for t in [self._watcher, *(link.reader for link in self._links)] if t is not None]
+        for link in self._links:
+            self._close_link(link)
+        self._watcher = None
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
