@@ -17,7 +17,9 @@ another live broker (every op is idempotent), and it is probed until it answers 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -50,7 +52,6 @@ class _Call:
     deadline: float  # loop time
     timeout: float
     link: "_Link | None" = None
-    timer: asyncio.TimerHandle | None = None
     retry: asyncio.TimerHandle | None = None
     attempts: int = 0
 
@@ -83,6 +84,7 @@ class _Link:
     left_at: float = 0.0
     probe_id: int | None = None
     probe_sent: float = 0.0
+    kick: bool = False  # a `_kick` is scheduled for this loop turn
     outstanding: dict[int, _Call] = field(default_factory=dict)
     sent: int = 0
     resent: int = 0
@@ -111,6 +113,9 @@ class Core:
         self._liveness = liveness_s
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
+        self._deadlines: list[tuple[float, int]] = []  # (expiry, id), answered calls' entries included
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watcher: asyncio.Task | None = None
         self._packer = msgpack.Packer(use_bin_type=True)
@@ -127,7 +132,7 @@ class Core:
         now = loop.time()
         call = _Call(rid, body, loop.create_future(), now + timeout, timeout)
         self._calls[rid] = call
-        call.timer = loop.call_at(call.deadline + LOCAL_GRACE_S, self._expire, call)
+        self._watch_deadline(call)
         self._send(call, self._pick(), now)
         try:
             return await call.future
@@ -151,9 +156,26 @@ class Core:
         link.outstanding[call.id] = call
         call.link = link
         link.sent += 1
-        # The async socket's own send: immediate with an unbounded send queue, and it keeps
-        # pyzmq's edge-triggered wake-ups right for the reader.
-        link.sock.send_multipart((b"", self._packer.pack(body)))  # type: ignore[union-attr]
+        self._write(link, self._packer.pack(body))
+
+    def _write(self, link: _Link, payload: bytes) -> None:
+        """Send one payload (no delimiter frame: the reply then has one frame too, half the frames)."""
+        try:
+            link.shadow.send(payload, zmq.NOBLOCK)  # type: ignore[union-attr]
+        except zmq.Again:  # not with an unbounded send queue, but if so let pyzmq queue it
+            link.sock.send(payload)  # type: ignore[union-attr]
+        if not link.kick:
+            link.kick = True
+            self._loop.call_soon(self._kick, link)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _kick(link: _Link) -> None:
+        """Once per loop turn after sending: ZeroMQ's descriptor is edge-triggered, and a send on the
+        shadow socket may take in a reply without the descriptor saying so. Reading EVENTS through
+        the asyncio socket makes pyzmq wake the reader if a reply is waiting."""
+        link.kick = False
+        if link.sock is not None:
+            link.sock.get(zmq.EVENTS)
 
     async def _read(self, link: _Link, sock: zmq.asyncio.Socket, shadow: zmq.Socket) -> None:
         """The one reader of `sock`: wait for a reply, then drain every one already there."""
@@ -198,8 +220,6 @@ class Core:
         if call.link is not None:
             call.link.outstanding.pop(call.id, None)
             call.link = None
-        if call.timer is not None:
-            call.timer.cancel()
         if call.retry is not None:
             call.retry.cancel()
 
@@ -222,10 +242,35 @@ class Core:
         if call.id in self._calls:
             self._send(call, self._pick(), self._loop.time())  # type: ignore[union-attr]
 
+    def _watch_deadline(self, call: _Call) -> None:
+        """One timer for all calls, at the earliest deadline (a timer per call costs more than the call)."""
+        expiry = call.deadline + LOCAL_GRACE_S
+        heap = self._deadlines
+        heapq.heappush(heap, (expiry, call.id))
+        if len(heap) > 4 * len(self._calls) + 4096:  # answered calls' entries: drop them now and then
+            heap[:] = [(c.deadline + LOCAL_GRACE_S, c.id) for c in self._calls.values()]
+            heapq.heapify(heap)
+        if expiry < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = expiry
+            self._timer = self._loop.call_at(expiry, self._on_deadlines)  # type: ignore[union-attr]
+
+    def _on_deadlines(self) -> None:
+        self._timer, self._timer_at = None, math.inf
+        now = self._loop.time()  # type: ignore[union-attr]
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, rid = heapq.heappop(heap)
+            call = self._calls.get(rid)
+            if call is not None and call.deadline + LOCAL_GRACE_S <= now:
+                self._expire(call)
+        if heap:
+            self._timer_at = heap[0][0]
+            self._timer = self._loop.call_at(self._timer_at, self._on_deadlines)  # type: ignore[union-attr]
+
     def _expire(self, call: _Call) -> None:
-        call.timer = None
-        if self._calls.pop(call.id, None) is None:
-            return
+        del self._calls[call.id]
         self._forget(call)
         if not call.future.done():
             tried = ", ".join(link.endpoint for link in self._links)
@@ -266,7 +311,7 @@ class Core:
         link.probe_id = next(self._ids)
         link.probe_sent = now
         ping = {"id": link.probe_id, "op": "ping", "deadline_ms": max(1, int(self._liveness * 1000))}
-        link.sock.send_multipart((b"", self._packer.pack(ping)))  # type: ignore[union-attr]
+        self._write(link, self._packer.pack(ping))
 
     def _leave(self, link: _Link, now: float) -> None:
         link.alive = False
@@ -352,6 +397,10 @@ class Core:
                 call.future.set_exception(Unavailable("unavailable", "the client was closed"))
         if self._watcher is not None:
             self._watcher.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._deadlines.clear()
         tasks = [t for t in [self._watcher, *(link.reader for link in self._links)] if t is not None]
         for link in self._links:
             self._close_link(link)
