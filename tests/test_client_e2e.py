@@ -434,3 +434,14 @@ def test_curve_keys_reach_the_socket_a_curve_server_admits_the_client(tmp_path):
         stop.set()
         t.join(5)
         server.close(linger=0)
+
+
+def test_an_async_client_serves_only_the_loop_it_first_ran_on(broker):
+    client = tb.AsyncClient(broker.endpoint)
+
+    async def ping() -> tb.Pong:
+        return await client.ping()
+
+    assert asyncio.run(ping()).workers == 1
+    with pytest.raises(RuntimeError, match="one client per loop"):
+        asyncio.run(ping())

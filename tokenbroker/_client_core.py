@@ -126,7 +126,9 @@ class Core:
 
     async def call(self, body: dict, timeout: float) -> dict:
         """Send `body` (an op's fields) and return the reply map, ok or not; `Unavailable` if none came."""
-        loop = self._loop or self._start()
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._start(loop)
         rid = next(self._ids)
         body["id"] = rid
         now = loop.time()
@@ -348,16 +350,18 @@ class Core:
 
     # --- sockets -------------------------------------------------------------------------
 
-    def _start(self) -> asyncio.AbstractEventLoop:
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Open the sockets on the first call, on the loop it runs on (the only loop this client serves)."""
         if self._closed:
             raise Unavailable("unavailable", "the client is closed")
-        self._loop = asyncio.get_running_loop()
+        if self._loop is not None:
+            raise RuntimeError("this client serves the event loop it first ran on; make one client per loop")
+        self._loop = loop
         if self._context is None:
             self._context = zmq.asyncio.Context.instance()
         for link in self._links:
             self._open_link(link)
         self._watcher = self._loop.create_task(self._watch())
-        return self._loop
 
     def _open_link(self, link: _Link) -> None:
         sock = self._context.socket(zmq.DEALER)  # type: ignore[union-attr]
