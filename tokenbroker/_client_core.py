@@ -170,26 +170,29 @@ class Core:
             link.kick = True
             self._loop.call_soon(self._kick, link)  # type: ignore[union-attr]
 
-    @staticmethod
-    def _kick(link: _Link) -> None:
+    def _kick(self, link: _Link) -> None:
         """Once per loop turn after sending: ZeroMQ's descriptor is edge-triggered, and a send on the
-        shadow socket may take in a reply without the descriptor saying so. Reading EVENTS through
-        the asyncio socket makes pyzmq wake the reader if a reply is waiting."""
+        shadow socket may take in a reply without the descriptor saying so; read EVENTS (which
+        re-arms it) and take in whatever is waiting."""
         link.kick = False
-        if link.sock is not None:
-            link.sock.get(zmq.EVENTS)
+        shadow = link.shadow
+        if shadow is not None and shadow.get(zmq.EVENTS) & zmq.POLLIN:
+            self._drain(link, shadow)
 
     async def _read(self, link: _Link, sock: zmq.asyncio.Socket, shadow: zmq.Socket) -> None:
-        """The one reader of `sock`: wait for a reply, then drain every one already there."""
+        """The one reader task of `sock`: wait for a reply, then drain every one already there."""
         while True:
             frames = await sock.recv_multipart()
             self._on_reply(link, frames[-1])
-            while True:
-                try:
-                    frames = shadow.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._on_reply(link, frames[-1])
+            self._drain(link, shadow)
+
+    def _drain(self, link: _Link, shadow: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = shadow.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_reply(link, frames[-1])
 
     def _on_reply(self, link: _Link, payload: bytes) -> None:
         now = self._loop.time()  # type: ignore[union-attr]
