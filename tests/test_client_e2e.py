@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import signal
+import subprocess
+import sys
 import threading
 from array import array
 from typing import Any, Awaitable, Callable
@@ -20,7 +23,7 @@ import zmq
 import zmq.auth
 
 import tokenbroker as tb
-from conftest import BERT_DIR, FIXTURES, QWEN_TIKTOKEN, Conn, deepseek_tokenizer_json, start_broker, wait_until
+from conftest import BERT_DIR, FIXTURES, QWEN_TIKTOKEN, Conn, deepseek_tokenizer_json, free_port, start_broker
 
 TEMPLATE = FIXTURES / "chat_templates" / "deepseek-v3.1.jinja"
 BOS = "<｜begin▁of▁sentence｜>"
@@ -445,3 +448,68 @@ def test_an_async_client_serves_only_the_loop_it_first_ran_on(broker):
     assert asyncio.run(ping()).workers == 1
     with pytest.raises(RuntimeError, match="one client per loop"):
         asyncio.run(ping())
+
+
+def test_a_broker_left_for_dead_takes_calls_again_once_it_answers():
+    """Freelance: the left broker is probed; a broker started again on its endpoint is used again."""
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    a = start_broker("--frontend", endpoint, workers=1)
+    b = start_broker(workers=1)
+    try:
+        async def main() -> None:
+            async with tb.AsyncClient([endpoint, b.endpoint], liveness_s=0.4) as client:
+                await asyncio.gather(*(client.ping() for _ in range(20)))
+                a.stop(signal.SIGKILL)
+                calls = [asyncio.ensure_future(client.tokenize(t)) for t in texts(200, size=20)]
+                await until(lambda: not client.status()[0].alive, what="the killed broker to be left")
+                await asyncio.gather(*calls)
+                sent_before = client.status()[0].sent
+                again = await asyncio.to_thread(start_broker, "--frontend", endpoint, workers=1)
+                try:
+                    await until(lambda: client.status()[0].alive, what="the broker to be taken back")
+                    await asyncio.gather(*(client.tokenize(t) for t in texts(200)))
+                    assert client.status()[0].sent > sent_before + 20  # calls go to it again
+                finally:
+                    again.stop()
+
+        asyncio.run(main())
+    finally:
+        a.stop(signal.SIGKILL)
+        b.stop()
+
+
+def test_closing_fails_pending_calls_as_unavailable():
+    hole = zmq.Context.instance().socket(zmq.ROUTER)
+    hole.setsockopt(zmq.LINGER, 0)
+    port = hole.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        async def main() -> None:
+            client = tb.AsyncClient(f"tcp://127.0.0.1:{port}")
+            calls = [asyncio.ensure_future(client.ping()) for _ in range(5)]
+            await until(lambda: client.pending() == 5, what="calls to be pending")
+            await client.aclose()
+            for outcome_ in await asyncio.gather(*calls, return_exceptions=True):
+                assert isinstance(outcome_, tb.Unavailable) and "closed" in outcome_.message
+            assert client.pending() == 0
+            with pytest.raises(tb.Unavailable, match="closed"):
+                await client.ping()
+
+        asyncio.run(main())
+    finally:
+        hole.close(linger=0)
+
+
+def test_the_cli_says_when_no_broker_answers_within_its_timeout():
+    out = subprocess.run([sys.executable, "-m", "tokenbroker", "tokenize", "hi", "--endpoint", "tcp://127.0.0.1:1",
+                          "--timeout", "0.3"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == "tokenbroker: no reply within 0.3s from tcp://127.0.0.1:1"
+
+
+def test_the_cli_prints_the_reply_of_the_public_client_as_before(broker):
+    out = subprocess.run([sys.executable, "-m", "tokenbroker", "detokenize", "99999999", "--endpoint", broker.endpoint],
+                         capture_output=True, text=True, timeout=60)
+    reply = json.loads(out.stdout)
+    assert out.returncode == 1 and reply["ok"] is False and reply["error"]["code"] == "invalid_input"
+    assert set(reply) == {"id", "ok", "error"}

@@ -127,7 +127,7 @@ class Core:
     async def call(self, body: dict, timeout: float) -> dict:
         """Send `body` (an op's fields) and return the reply map, ok or not; `Unavailable` if none came."""
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:
+        if loop is not self._loop or self._closed:
             self._start(loop)
         rid = next(self._ids)
         body["id"] = rid
