@@ -513,3 +513,31 @@ def test_the_cli_prints_the_reply_of_the_public_client_as_before(broker):
     reply = json.loads(out.stdout)
     assert out.returncode == 1 and reply["ok"] is False and reply["error"]["code"] == "invalid_input"
     assert set(reply) == {"id", "ok", "error"}
+
+
+def test_calls_keep_being_answered_while_a_broker_shuts_down():
+    """SIGTERM: the broker answers what it holds and fails what comes after as `overloaded` (retry
+    elsewhere) until it exits; then it is left. Calls sent all along are all answered, rightly."""
+    a, b = start_broker(workers=1), start_broker(workers=1)
+    try:
+        items = texts(200, size=5)
+        want = expected_ids(b.endpoint, items)
+
+        async def main() -> None:
+            async with tb.AsyncClient([a.endpoint, b.endpoint], timeout=120, liveness_s=0.5) as client:
+                first = asyncio.gather(*(client.tokenize(t) for t in items))
+                await until(lambda: client.status()[0].outstanding > 20, what="load on the first broker")
+                a.proc.send_signal(signal.SIGTERM)
+                rounds = [first]
+                while a.proc.poll() is None:
+                    rounds.append(asyncio.gather(*(client.tokenize(t) for t in items)))
+                    await rounds[-1]
+                rounds.append(asyncio.gather(*(client.tokenize(t) for t in items)))  # after its exit
+                for results in await asyncio.gather(*rounds):
+                    assert [r.tokens.tolist() for r in results] == want
+                assert client.pending() == 0 and all(s.outstanding == 0 for s in client.status())
+
+        asyncio.run(main())
+    finally:
+        a.stop(signal.SIGKILL)
+        b.stop()

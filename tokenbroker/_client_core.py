@@ -239,13 +239,17 @@ class Core:
         link.retried += 1
         link.outstanding.pop(call.id, None)
         call.link = None
-        call.retry = self._loop.call_at(now + delay, self._resend, call)  # type: ignore[union-attr]
+        call.retry = self._loop.call_at(now + delay, self._resend, call, link)  # type: ignore[union-attr]
         return True
 
-    def _resend(self, call: _Call) -> None:
+    def _resend(self, call: _Call, full: _Link) -> None:
+        """Another attempt, on another live broker if there is one (a broker shutting down says overloaded too)."""
         call.retry = None
-        if call.id in self._calls:
-            self._send(call, self._pick(), self._loop.time())  # type: ignore[union-attr]
+        if call.id not in self._calls:
+            return
+        others = [link for link in self._live if link is not full]
+        target = min(others, key=lambda link: len(link.outstanding)) if others else self._pick()
+        self._send(call, target, self._loop.time())  # type: ignore[union-attr]
 
     def _watch_deadline(self, call: _Call) -> None:
         """One timer for all calls, at the earliest deadline (a timer per call costs more than the call)."""
