@@ -207,3 +207,9 @@ def test_client_options_are_checked_when_built():
         tokenbroker.AsyncClient([])
     with pytest.raises(TypeError):
         tokenbroker.AsyncClient("tcp://127.0.0.1:1", 5.0)  # type: ignore[misc]  # options are keyword-only
+
+
+def test_the_public_api_is_what_the_package_lists():
+    assert set(tokenbroker.__all__) == set(tokenbroker.client.__all__) - {"DEFAULT_ENDPOINT"}
+    for name in tokenbroker.__all__:
+        assert not name.startswith("_") and getattr(tokenbroker, name) is getattr(tokenbroker.client, name)

@@ -36,3 +36,11 @@ from tokenbroker.client import (
     UnknownOp,
     WorkerFailed,
 )
+
+__all__ = [
+    "AsyncClient", "Client", "AsyncDetokenizeStream", "DetokenizeStream", "StreamDelta", "EndpointStatus",
+    "Tokens", "TokensBatch", "Text", "TextBatch", "ChatTokens", "Count", "ModelInfo", "ModelState", "Pong",
+    "RemovedModel", "CacheInfo",
+    "TokenbrokerError", "BadRequest", "UnknownOp", "UnknownModel", "TooLarge", "TemplateError", "InvalidInput",
+    "Forbidden", "Overloaded", "Timeout", "WorkerFailed", "Internal", "Unavailable",
+]

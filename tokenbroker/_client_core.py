@@ -21,8 +21,7 @@ import heapq
 import itertools
 import math
 import random
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import msgpack
 import zmq
@@ -30,6 +29,7 @@ import zmq.asyncio
 
 from ._client_errors import Unavailable
 from ._client_keys import CurveKeys
+from ._client_link import Call, EndpointStatus, Link
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT_S = 30.0
@@ -42,61 +42,6 @@ BACKOFF_MAX_S = 0.25
 MAX_DEADLINE_MS = 2**31 - 1  # the broker takes larger values as this
 
 
-@dataclass(eq=False, slots=True)
-class _Call:
-    """One pending call: its body (sent again on failover or retry), future and timers."""
-
-    id: int
-    body: dict
-    future: asyncio.Future
-    deadline: float  # loop time
-    timeout: float
-    link: "_Link | None" = None
-    retry: asyncio.TimerHandle | None = None
-    attempts: int = 0
-
-
-@dataclass(frozen=True)
-class EndpointStatus:
-    """One broker as this client sees it (for a scheduler's own metrics and for tests)."""
-
-    endpoint: str
-    alive: bool
-    outstanding: int  # calls sent there and not yet answered
-    sent: int  # requests sent there, first attempts and re-sends alike
-    resent: int  # calls moved away from it when it was left
-    retried: int  # `overloaded` answers from it that were retried
-    dropped: int  # replies from it for ids no longer pending (late, duplicate, or a probe's)
-    left: int  # times it was left for not answering
-
-
-@dataclass(eq=False)
-class _Link:
-    """One broker endpoint: its DEALER (async, plus a sync shadow for draining), reader and liveness."""
-
-    endpoint: str
-    sock: zmq.asyncio.Socket | None = None
-    shadow: zmq.Socket | None = None
-    reader: asyncio.Task | None = None
-    alive: bool = True
-    heard: float = 0.0  # loop time of the last frame received
-    busy_since: float = 0.0  # loop time its outstanding calls went from none to some
-    left_at: float = 0.0
-    probe_id: int | None = None
-    probe_sent: float = 0.0
-    kick: bool = False  # a `_kick` is scheduled for this loop turn
-    outstanding: dict[int, _Call] = field(default_factory=dict)
-    sent: int = 0
-    resent: int = 0
-    retried: int = 0
-    dropped: int = 0
-    left: int = 0
-
-    def status(self) -> EndpointStatus:
-        return EndpointStatus(self.endpoint, self.alive, len(self.outstanding), self.sent, self.resent,
-                              self.retried, self.dropped, self.left)
-
-
 class Core:
     """Calls in, reply maps out; knows the wire's envelope and liveness, nothing of any op's fields."""
 
@@ -106,13 +51,13 @@ class Core:
             raise ValueError("endpoints: give at least one broker endpoint")
         if liveness_s <= 0:
             raise ValueError(f"liveness_s must be > 0, got {liveness_s}")
-        self._links = [_Link(e) for e in dict.fromkeys(endpoints)]
+        self._links = [Link(e) for e in dict.fromkeys(endpoints)]
         self._live = list(self._links)
         self._context = context
         self._curve = curve
         self._liveness = liveness_s
         self._ids = itertools.count(1)
-        self._calls: dict[int, _Call] = {}
+        self._calls: dict[int, Call] = {}
         self._deadlines: list[tuple[float, int]] = []  # (expiry, id), answered calls' entries included
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
@@ -132,7 +77,7 @@ class Core:
         rid = next(self._ids)
         body["id"] = rid
         now = loop.time()
-        call = _Call(rid, body, loop.create_future(), now + timeout, timeout)
+        call = Call(rid, body, loop.create_future(), now + timeout, timeout)
         self._calls[rid] = call
         self._watch_deadline(call)
         self._send(call, self._pick(), now)
@@ -142,7 +87,7 @@ class Core:
             if self._calls.pop(rid, None) is not None:  # cancelled: nothing else removed it
                 self._forget(call)
 
-    def _pick(self) -> _Link:
+    def _pick(self) -> Link:
         live = self._live
         if len(live) == 1:
             return live[0]
@@ -150,7 +95,7 @@ class Core:
             return self._rng.choice(self._links)
         return min(live, key=lambda link: len(link.outstanding))
 
-    def _send(self, call: _Call, link: _Link, now: float) -> None:
+    def _send(self, call: Call, link: Link, now: float) -> None:
         body = call.body
         body["deadline_ms"] = min(MAX_DEADLINE_MS, max(1, int((call.deadline - now) * 1000)))
         if not link.outstanding:
@@ -160,7 +105,7 @@ class Core:
         link.sent += 1
         self._write(link, self._packer.pack(body))
 
-    def _write(self, link: _Link, payload: bytes) -> None:
+    def _write(self, link: Link, payload: bytes) -> None:
         """Send one payload (no delimiter frame: the reply then has one frame too, half the frames)."""
         try:
             link.shadow.send(payload, zmq.NOBLOCK)  # type: ignore[union-attr]
@@ -170,7 +115,7 @@ class Core:
             link.kick = True
             self._loop.call_soon(self._kick, link)  # type: ignore[union-attr]
 
-    def _kick(self, link: _Link) -> None:
+    def _kick(self, link: Link) -> None:
         """Once per loop turn after sending: ZeroMQ's descriptor is edge-triggered, and a send on the
         shadow socket may take in a reply without the descriptor saying so; read EVENTS (which
         re-arms it) and take in whatever is waiting."""
@@ -179,14 +124,14 @@ class Core:
         if shadow is not None and shadow.get(zmq.EVENTS) & zmq.POLLIN:
             self._drain(link, shadow)
 
-    async def _read(self, link: _Link, sock: zmq.asyncio.Socket, shadow: zmq.Socket) -> None:
+    async def _read(self, link: Link, sock: zmq.asyncio.Socket, shadow: zmq.Socket) -> None:
         """The one reader task of `sock`: wait for a reply, then drain every one already there."""
         while True:
             frames = await sock.recv_multipart()
             self._on_reply(link, frames[-1])
             self._drain(link, shadow)
 
-    def _drain(self, link: _Link, shadow: zmq.Socket) -> None:
+    def _drain(self, link: Link, shadow: zmq.Socket) -> None:
         while True:
             try:
                 frames = shadow.recv_multipart(zmq.NOBLOCK)
@@ -194,7 +139,7 @@ class Core:
                 return
             self._on_reply(link, frames[-1])
 
-    def _on_reply(self, link: _Link, payload: bytes) -> None:
+    def _on_reply(self, link: Link, payload: bytes) -> None:
         now = self._loop.time()  # type: ignore[union-attr]
         link.heard = now
         if not link.alive:
@@ -220,7 +165,7 @@ class Core:
         if not call.future.done():
             call.future.set_result(reply)
 
-    def _forget(self, call: _Call) -> None:
+    def _forget(self, call: Call) -> None:
         """Drop every reference the engine holds to a call that is answered, expired or cancelled."""
         if call.link is not None:
             call.link.outstanding.pop(call.id, None)
@@ -230,7 +175,7 @@ class Core:
 
     # --- overloaded, deadlines -----------------------------------------------------------
 
-    def _backoff(self, call: _Call, link: _Link, now: float) -> bool:
+    def _backoff(self, call: Call, link: Link, now: float) -> bool:
         """Schedule another attempt after a jittered wait if the deadline allows; False to give up."""
         delay = self._rng.uniform(0, min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**call.attempts))
         if now + delay >= call.deadline:
@@ -242,7 +187,7 @@ class Core:
         call.retry = self._loop.call_at(now + delay, self._resend, call, link)  # type: ignore[union-attr]
         return True
 
-    def _resend(self, call: _Call, full: _Link) -> None:
+    def _resend(self, call: Call, full: Link) -> None:
         """Another attempt, on another live broker if there is one (a broker shutting down says overloaded too)."""
         call.retry = None
         if call.id not in self._calls:
@@ -251,7 +196,7 @@ class Core:
         target = min(others, key=lambda link: len(link.outstanding)) if others else self._pick()
         self._send(call, target, self._loop.time())  # type: ignore[union-attr]
 
-    def _watch_deadline(self, call: _Call) -> None:
+    def _watch_deadline(self, call: Call) -> None:
         """One timer for all calls, at the earliest deadline (a timer per call costs more than the call)."""
         expiry = call.deadline + LOCAL_GRACE_S
         heap = self._deadlines
@@ -278,7 +223,7 @@ class Core:
             self._timer_at = heap[0][0]
             self._timer = self._loop.call_at(self._timer_at, self._on_deadlines)  # type: ignore[union-attr]
 
-    def _expire(self, call: _Call) -> None:
+    def _expire(self, call: Call) -> None:
         del self._calls[call.id]
         self._forget(call)
         if not call.future.done():
@@ -298,7 +243,7 @@ class Core:
             for link in self._links:
                 self._check(link, now)
 
-    def _check(self, link: _Link, now: float) -> None:
+    def _check(self, link: Link, now: float) -> None:
         half = self._liveness / 2
         if link.alive:
             if not link.outstanding and link.probe_id is None:
@@ -316,13 +261,13 @@ class Core:
         elif link.probe_id is None or now - link.probe_sent > half:
             self._probe(link, now)
 
-    def _probe(self, link: _Link, now: float) -> None:
+    def _probe(self, link: Link, now: float) -> None:
         link.probe_id = next(self._ids)
         link.probe_sent = now
         ping = {"id": link.probe_id, "op": "ping", "deadline_ms": max(1, int(self._liveness * 1000))}
         self._write(link, self._packer.pack(ping))
 
-    def _leave(self, link: _Link, now: float) -> None:
+    def _leave(self, link: Link, now: float) -> None:
         link.alive = False
         link.left += 1
         self._live = [x for x in self._links if x.alive]
@@ -335,7 +280,7 @@ class Core:
             self._send(call, self._pick() if self._live else link, now)
         self._probe(link, now)
 
-    def _revive(self, link: _Link) -> None:
+    def _revive(self, link: Link) -> None:
         """A left broker answered again: serve from it, and give it the calls parked on silent ones."""
         link.alive = True
         self._live = [x for x in self._links if x.alive]
@@ -349,8 +294,8 @@ class Core:
                     other.resent += 1
                     self._send(call, link, now)
 
-    def _reconnect(self, link: _Link, now: float) -> None:
-        self._close_link(link)
+    def _reconnect(self, link: Link, now: float) -> None:
+        link.close()
         self._open_link(link)
         link.left_at = now
         link.probe_id = None
@@ -370,26 +315,9 @@ class Core:
             self._open_link(link)
         self._watcher = self._loop.create_task(self._watch())
 
-    def _open_link(self, link: _Link) -> None:
-        sock = self._context.socket(zmq.DEALER)  # type: ignore[union-attr]
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the calls pending, which the caller bounds
-        sock.setsockopt(zmq.RCVHWM, 0)
-        if self._curve is not None:
-            self._curve.apply(sock)
-        sock.connect(link.endpoint)
-        link.sock = sock
-        link.shadow = zmq.Socket.shadow(sock.underlying)
-        link.reader = self._loop.create_task(self._read(link, sock, link.shadow))  # type: ignore[union-attr]
-
-    @staticmethod
-    def _close_link(link: _Link) -> None:
-        if link.reader is not None:
-            link.reader.cancel()
-            link.reader = None
-        if link.sock is not None:
-            link.sock.close(linger=0)
-            link.sock = link.shadow = None
+    def _open_link(self, link: Link) -> None:
+        link.open(self._context, self._curve)  # type: ignore[arg-type]
+        link.reader = self._loop.create_task(self._read(link, link.sock, link.shadow))  # type: ignore[union-attr,arg-type]
 
     def status(self) -> list[EndpointStatus]:
         return [link.status() for link in self._links]
@@ -414,7 +342,7 @@ class Core:
         self._deadlines.clear()
         tasks = [t for t in [self._watcher, *(link.reader for link in self._links)] if t is not None]
         for link in self._links:
-            self._close_link(link)
+            link.close()
         self._watcher = None
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
