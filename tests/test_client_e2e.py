@@ -217,27 +217,45 @@ def test_the_admin_ops_give_what_the_raw_protocol_gives(broker):
     """add_model / remove_model (1.1): served or not (unknown_op on a version 1 broker), the same answer."""
     conn = Conn(broker.endpoint)
     try:
-        for who in ("raw", "async", "sync"):
-            raw = conn.call("add_model", name=f"extra-raw-{who}", source="o200k_base")
-            if who == "async":
-                async def add() -> Any:
-                    async with tb.AsyncClient(broker.endpoint) as client:
-                        return await outcome(client.add_model(f"extra-{who}", "o200k_base"))
-                result = asyncio.run(add())
-            elif who == "sync":
-                with tb.Client(broker.endpoint) as client:
-                    result = sync_outcome(lambda: client.add_model(f"extra-{who}", "o200k_base"))
-            else:
-                continue
-            if raw["ok"]:
-                assert isinstance(result, tb.ModelState) and result.state in ("loading", "ready")
-            else:
-                assert_same(raw, result)
-        raw = conn.call("remove_model", name="no-such-model")
-        with tb.Client(broker.endpoint) as client:
-            assert_same(raw, sync_outcome(lambda: client.remove_model("no-such-model")))
+        raw_add = conn.call("add_model", name="extra-raw", source="o200k_base")
+        raw_remove = conn.call("remove_model", name="no-such-model")
     finally:
         conn.close()
+
+    async def via_async() -> tuple[Any, Any]:
+        async with tb.AsyncClient(broker.endpoint) as client:
+            return (await outcome(client.add_model("extra-async", "o200k_base")),
+                    await outcome(client.remove_model("no-such-model")))
+
+    with tb.Client(broker.endpoint) as client:
+        via_sync = (sync_outcome(lambda: client.add_model("extra-sync", "o200k_base")),
+                    sync_outcome(lambda: client.remove_model("no-such-model")))
+    for added, removed in (asyncio.run(via_async()), via_sync):
+        if raw_add["ok"]:
+            assert isinstance(added, tb.ModelState) and added.state in ("loading", "ready")
+        else:
+            assert_same(raw_add, added)
+        assert_same(raw_remove, removed)
+
+
+def test_the_stream_helper_gives_what_the_raw_protocol_gives(broker):
+    """detokenize_stream (1.1): the first step of a sequence, served or not, the same answer."""
+    conn = Conn(broker.endpoint)
+    try:
+        raw = conn.call("detokenize_stream", seqs=[{"tokens": [19923, 14], "stop": ["!"]}, {"tokens": [2058]}])
+    finally:
+        conn.close()
+    with tb.Client(broker.endpoint) as client:
+        stream = client.detokenize_stream()
+        stream.open(0, stop=["!"])
+        stream.open(1)
+        got = sync_outcome(lambda: stream.step({0: [19923, 14], 1: array("I", [2058])}))
+    if not raw["ok"]:
+        assert_same(raw, got)
+        assert len(stream) == 2  # a failed step changes nothing
+        return
+    for key, seq in enumerate(raw["seqs"]):
+        assert (got[key].text, got[key].finished, got[key].stop) == (seq["text"], seq["finished"], seq["stop"])
 
 
 def test_request_returns_the_raw_reply_for_any_op(broker):
