@@ -559,3 +559,14 @@ def test_calls_keep_being_answered_while_a_broker_shuts_down():
     finally:
         a.stop(signal.SIGKILL)
         b.stop()
+
+
+def test_a_body_messagepack_cannot_hold_raises_at_once_and_leaves_nothing_pending(broker):
+    async def main() -> None:
+        async with tb.AsyncClient(broker.endpoint) as client:
+            with pytest.raises(TypeError):
+                await client.chat([{"role": "user", "content": {1, 2}}])
+            assert client.pending() == 0 and client.status()[0].outstanding == 0
+            assert (await client.tokenize("still fine")).count > 0
+
+    asyncio.run(main())

@@ -79,9 +79,9 @@ class Core:
         now = loop.time()
         call = Call(rid, body, loop.create_future(), now + timeout, timeout)
         self._calls[rid] = call
-        self._watch_deadline(call)
-        self._send(call, self._pick(), now)
         try:
+            self._send(call, self._pick(), now)  # raises for a body MessagePack cannot hold
+            self._watch_deadline(call)
             return await call.future
         finally:
             if self._calls.pop(rid, None) is not None:  # cancelled: nothing else removed it
@@ -98,12 +98,13 @@ class Core:
     def _send(self, call: Call, link: Link, now: float) -> None:
         body = call.body
         body["deadline_ms"] = min(MAX_DEADLINE_MS, max(1, int((call.deadline - now) * 1000)))
+        payload = self._packer.pack(body)
         if not link.outstanding:
             link.busy_since = now
         link.outstanding[call.id] = call
         call.link = link
         link.sent += 1
-        self._write(link, self._packer.pack(body))
+        self._write(link, payload)
 
     def _write(self, link: Link, payload: bytes) -> None:
         """Send one payload (no delimiter frame: the reply then has one frame too, half the frames)."""
