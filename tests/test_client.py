@@ -187,7 +187,8 @@ def test_curve_z85_keys_and_a_made_up_pair_without_a_secret(certs):
      r"curve_secret_key: .*client\.key holds no secret key: give the \.key_secret file"),
     (lambda c, tmp: dict(curve_server_key=b"short"), r"curve_server_key: not a z85-encoded 32-byte CURVE key"),
     (lambda c, tmp: dict(curve_secret_key=c["client_secret"]), r"curve_secret_key is given without curve_server_key"),
-    (lambda c, tmp: dict(curve_server_key=c["server"], curve_secret_key=(zmq.curve_keypair()[0], zmq.curve_keypair()[1])),
+    (lambda c, tmp: dict(curve_server_key=c["server"],
+                         curve_secret_key=(zmq.curve_keypair()[0], zmq.curve_keypair()[1])),
      r"the public key does not belong to the secret key"),
     (lambda c, tmp: dict(curve_server_key=tmp / "garbage.key"), r"curve_server_key: .*garbage\.key"),
 ], ids=["missing-file", "public-file-as-secret", "bad-z85", "secret-without-server", "mismatched-pair", "garbage-file"])

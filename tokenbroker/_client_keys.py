@@ -84,7 +84,8 @@ def curve_keys(server_key: ServerKey | None, secret_key: SecretKey | None) -> Cu
     else:
         public, maybe_secret = _load(secret_key, "curve_secret_key")
         if maybe_secret is None:
-            raise ValueError(f"curve_secret_key: {secret_key} holds no secret key: give the .key_secret file, not the .key")
+            raise ValueError(f"curve_secret_key: {secret_key} holds no secret key: "
+                             "give the .key_secret file, not the .key")
         secret = _z85_key(maybe_secret, f"curve_secret_key ({secret_key})")
     if zmq.curve_public(secret) != public:
         raise ValueError("curve_secret_key: the public key does not belong to the secret key")
