@@ -80,7 +80,8 @@ class StreamBook(Generic[K]):
         return list(self._seqs)
 
     def build(self, steps: Mapping[K, IdsIn], final: Iterable[K] = ()) -> tuple[list[K], list[dict[str, Any]]]:
-        """The keys in request order and the request's `seqs`: the stepped ones, then finals without ids."""
+        """The keys in request order and the request's `seqs`: the stepped ones in the order given,
+        then the final ones without ids. An `invalid_input` names a sequence by its index in this order."""
         finals = list(dict.fromkeys(final))
         keys = list(steps) + [k for k in finals if k not in steps]
         for k in keys:
