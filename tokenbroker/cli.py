@@ -14,7 +14,7 @@ def _client_parser(sub: argparse._SubParsersAction, name: str, help: str) -> arg
     p = sub.add_parser(name, help=help)
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="the broker's frontend")
     p.add_argument("--model", default=None)
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the reply")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the reply (sent as deadline_ms)")
     return p
 
 
@@ -50,13 +50,15 @@ def _jsonable(value: Any) -> Any:
 
 
 def _call(args: argparse.Namespace, op: str, **fields: Any) -> int:
-    from tokenbroker.client import Client
+    """One call through the public client; prints the reply map as it came (ok or not) as JSON."""
+    from tokenbroker.client import Client, Unavailable
 
-    with Client(args.endpoint, timeout_s=args.timeout) as client:
+    fields = {k: v for k, v in {"model": args.model, **fields}.items() if v is not None}
+    with Client(args.endpoint, timeout=args.timeout) as client:
         try:
-            reply = client.call(op, model=args.model, **fields)
-        except TimeoutError as e:
-            print(f"tokenbroker: {e} from {args.endpoint}", file=sys.stderr)
+            reply = client.request(op, fields)
+        except Unavailable:
+            print(f"tokenbroker: no reply within {args.timeout}s from {args.endpoint}", file=sys.stderr)
             return 2
     print(json.dumps(_jsonable(reply), ensure_ascii=False))
     return 0 if reply.get("ok") else 1

@@ -1,52 +1,49 @@
-"""A small synchronous client, for the CLI, tests and people (one DEALER, replies matched by id)."""
+"""The Python client of tokenbroker: `Client` (threads) and `AsyncClient` (asyncio), typed per op.
 
-from __future__ import annotations
+Both pipeline any number of calls over one DEALER per broker, match replies by id, send each
+call's deadline as `deadline_ms`, leave a broker that stops answering for another and retry
+`overloaded` within the deadline. docs/client.md shows both feeding a scheduler loop. The pieces
+live in private modules (`_client_*`); what is public is listed here and in `tokenbroker`.
+"""
 
-import itertools
-from typing import Any
+from ._client_async import AsyncClient
+from ._client_core import DEFAULT_ENDPOINT, EndpointStatus
+from ._client_errors import (
+    BadRequest,
+    Forbidden,
+    Internal,
+    InvalidInput,
+    Overloaded,
+    TemplateError,
+    Timeout,
+    TokenbrokerError,
+    TooLarge,
+    Unavailable,
+    UnknownModel,
+    UnknownOp,
+    WorkerFailed,
+)
+from ._client_results import (
+    CacheInfo,
+    ChatTokens,
+    Count,
+    ModelInfo,
+    ModelState,
+    Pong,
+    RemovedModel,
+    Text,
+    TextBatch,
+    Tokens,
+    TokensBatch,
+)
+from ._client_stream import AsyncDetokenizeStream, DetokenizeStream, StreamDelta
+from ._client_sync import Client
 
-import msgpack
-import zmq
-
-DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
-
-
-class Client:
-    """>>> with Client() as c: c.call("tokenize", text="hello world")["tokens"]"""
-
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, timeout_s: float = 60.0, ctx: zmq.Context | None = None) -> None:
-        self._ctx = ctx or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
-        self._ids = itertools.count(1)
-        self.timeout_s = timeout_s
-
-    def send(self, op: str, **fields: Any) -> int:
-        """Send without waiting; returns the request id to match the reply with."""
-        request_id = fields.pop("id", None) or next(self._ids)
-        body = {"id": request_id, "op": op, **{k: v for k, v in fields.items() if v is not None}}
-        self._sock.send_multipart([b"", msgpack.packb(body, use_bin_type=True)])
-        return request_id
-
-    def recv(self) -> dict:
-        if not self._sock.poll(int(self.timeout_s * 1000)):
-            raise TimeoutError(f"no reply within {self.timeout_s}s")
-        frames = self._sock.recv_multipart()
-        return msgpack.unpackb(frames[-1], raw=False)
-
-    def call(self, op: str, **fields: Any) -> dict:
-        request_id = self.send(op, **fields)
-        while True:
-            reply = self.recv()
-            if reply.get("id") == request_id:
-                return reply
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
-
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+__all__ = [
+    "AsyncClient", "Client", "DEFAULT_ENDPOINT", "EndpointStatus",
+    "AsyncDetokenizeStream", "DetokenizeStream", "StreamDelta",
+    "CacheInfo", "ChatTokens", "Count", "ModelInfo", "ModelState", "Pong", "RemovedModel", "Text", "TextBatch",
+    "Tokens", "TokensBatch",
+    "TokenbrokerError", "BadRequest", "UnknownOp", "UnknownModel", "TooLarge", "TemplateError", "InvalidInput",
+    "Forbidden", "Overloaded", "Timeout", "WorkerFailed", "Internal", "Unavailable",
+]

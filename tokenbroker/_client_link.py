@@ -1,0 +1,91 @@
+"""One pending call and one broker endpoint as the engine (`_client_core`) keeps them.
+
+A `Link` is a broker's DEALER socket (the asyncio socket its reader task awaits, and a sync shadow
+of it for sends and draining without a future each), its liveness clock and its counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from ._client_keys import CurveKeys
+
+
+@dataclass(eq=False, slots=True)
+class Call:
+    """One pending call: its body (sent again on failover or retry), future and timers."""
+
+    id: int
+    body: dict
+    future: asyncio.Future
+    deadline: float  # loop time
+    timeout: float
+    link: "Link | None" = None
+    retry: asyncio.TimerHandle | None = None
+    attempts: int = 0
+
+
+@dataclass(frozen=True)
+class EndpointStatus:
+    """One broker as this client sees it (for a scheduler's own metrics and for tests)."""
+
+    endpoint: str
+    alive: bool
+    outstanding: int  # calls sent there and not yet answered
+    sent: int  # requests sent there, first attempts and re-sends alike
+    resent: int  # calls moved away from it when it was left
+    retried: int  # `overloaded` answers from it that were retried
+    dropped: int  # replies from it for ids no longer pending (late, duplicate, or a probe's)
+    left: int  # times it was left for not answering
+
+
+@dataclass(eq=False)
+class Link:
+    """One broker endpoint: its DEALER (async, plus a sync shadow for draining), reader and liveness."""
+
+    endpoint: str
+    sock: zmq.asyncio.Socket | None = None
+    shadow: zmq.Socket | None = None
+    reader: asyncio.Task | None = None
+    alive: bool = True
+    heard: float = 0.0  # loop time of the last frame received
+    busy_since: float = 0.0  # loop time its outstanding calls went from none to some
+    left_at: float = 0.0
+    probe_id: int | None = None
+    probe_sent: float = 0.0
+    kick: bool = False  # a `_kick` is scheduled for this loop turn
+    outstanding: dict[int, Call] = field(default_factory=dict)
+    sent: int = 0
+    resent: int = 0
+    retried: int = 0
+    dropped: int = 0
+    left: int = 0
+
+    def status(self) -> EndpointStatus:
+        return EndpointStatus(self.endpoint, self.alive, len(self.outstanding), self.sent, self.resent,
+                              self.retried, self.dropped, self.left)
+
+    def open(self, context: zmq.asyncio.Context, curve: CurveKeys | None) -> None:
+        """A fresh DEALER connected to the endpoint (the reader task is the engine's to start)."""
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the calls pending, which the caller bounds
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if curve is not None:
+            curve.apply(sock)
+        sock.connect(self.endpoint)
+        self.sock = sock
+        self.shadow = zmq.Socket.shadow(sock.underlying)
+
+    def close(self) -> None:
+        """Stop the reader and close the socket: requests queued in it and late replies die with it."""
+        if self.reader is not None:
+            self.reader.cancel()
+            self.reader = None
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = self.shadow = None
