@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence, Union
 
 IdsFormat = Literal["array", "list"]
@@ -136,10 +136,12 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class Pong:
-    """The broker is up: how many workers are ready, and its version."""
+    """The broker is up: how many workers are ready, its version, and the limits it applies
+    (`max_request_bytes`, `max_batch_items`, ...; empty from a broker that does not say)."""
 
     workers: int
     version: str
+    limits: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,4 +197,4 @@ def models(reply: dict) -> list[ModelInfo]:
 
 
 def pong(reply: dict) -> Pong:
-    return Pong(reply["workers"], reply["version"])
+    return Pong(reply["workers"], reply["version"], dict(reply.get("limits") or {}))
