@@ -5,7 +5,7 @@ Caches only ever save work: every result equals the tokenizer's own, id for id (
 in `l1_bypass_reason`, where it cannot. Decoding is never cached.
 
 >>> ids, outcome = TokenCache(tok, CacheConfig(l0_enabled=True)).encode("hello")  # doctest: +SKIP
->>> outcome
+>>> outcome  # doctest: +SKIP
 CacheOutcome(l0='miss', l1_reused_tokens=0)
 """
 
