@@ -17,6 +17,7 @@ from tokenbroker.common.errors import BootError, ProtocolError
 
 from .cache import CacheOutcome, TokenCache
 from .chat import ChatRenderer, ChatTemplates, discover_chat_templates, special_tokens_from_config
+from .fingerprint import model_fingerprint
 from .modelmap import TokenizerMap
 from .tokenizers import Tokenizer, load_tokenizer
 
@@ -34,10 +35,18 @@ class Model:
     cache: TokenCache
     templates: ChatTemplates | None
     _renderer: ChatRenderer | None = field(default=None, repr=False)
+    _fingerprint: str | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def fingerprint(self) -> str:
+        """The hex SHA-256 of all that can change an id or a prompt (workers/fingerprint.py), computed once."""
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.tokenizer, self.templates)
+        return self._fingerprint
 
     def renderer(self) -> ChatRenderer:
         """The compiled chat template, built on first use and kept."""
@@ -64,6 +73,7 @@ class Model:
             "cached": self.cache.enabled,
             "l1_bypass_reason": self.cache.l1_bypass_reason,
             "source": t.description,
+            "fingerprint": self.fingerprint,
         }
 
 

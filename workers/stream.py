@@ -1,0 +1,378 @@
+"""`detokenize_stream`: many sequences' new ids -> text deltas, exact, stateless, stop strings across steps.
+
+The contract is docs/protocol.md "Streaming detokenization". The service keeps no memory of a
+sequence: each step reads the sequence's state (workers/stream_state.py), decodes its new ids and
+returns the new text with the next state.
+
+Two decoders, chosen per tokenizer once:
+
+- Byte table (tiktoken, and Hugging Face tokenizers whose decoder is plain ByteLevel): decoding is
+  "concatenate each id's bytes, then UTF-8 with replacement", so a step joins the new ids' bytes
+  onto the few bytes of an unfinished character and decodes up to that character. Exact by
+  construction; the table is checked id by id against the library's own decode when built.
+- Prefix window (everything else: WordPiece, Metaspace, byte fallback, ...): decode a few released
+  ids of context with and without the pending ids and release the difference (vLLM's incremental
+  detokenizer idea). The context makes position-dependent decoders (Metaspace drops the first
+  token's space, WordPiece joins `##` pieces) render the new ids as they do mid-text. Pending ids
+  are held while their text ends in U+FFFD (an unfinished character) or in a byte-fallback group
+  (`<0xE6>`...: the whole group renders as U+FFFD if any byte of it is invalid, so a group is only
+  released once a non-byte token closes it). All windows of a request go to one `decode_batch`.
+
+Stop strings are then matched over the released text, holding back the longest tail that could
+still begin one (see `_apply_stops`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from tokenbroker.common.errors import ProtocolError
+from tokenbroker.common.protocol import type_name
+
+from .stream_state import MAX_PENDING_IDS, Options, SeqState, pack_state, state_key, unpack_state
+from .tokenizers import InvalidTokenId, Tokenizer, check_ids
+
+CONTEXT_IDS = 4  # released ids kept as decode context (one is enough for every decoder we know)
+REPLACEMENT = "\ufffd"
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@dataclass
+class _Step:
+    """One sequence of a request while it is being served."""
+
+    index: int
+    state: SeqState
+    ids: list[int]
+    flush: bool  # final, or a stop id: release everything held
+    final: bool
+    stop_id: int | None = None
+    text: str = ""
+    window: bool = False  # waits for the batch decode
+
+
+class StreamDecoder:
+    """Serves `detokenize_stream` for one model; built once per tokenizer (see `decoder_for`)."""
+
+    def __init__(self, tokenizer: Tokenizer, fingerprint: str) -> None:
+        self.tokenizer = tokenizer
+        self.key = state_key(fingerprint)
+        self.vocab_size = tokenizer.vocab_size
+        self.unassigned: frozenset[int] = getattr(tokenizer, "unassigned", frozenset())
+        raw: Any = tokenizer.raw
+        if tokenizer.kind == "tiktoken":
+            self.skip_ids = frozenset(tokenizer.special_tokens.values())
+            self.table: list[bytes | None] | None = _tiktoken_table(raw, self.vocab_size, self.unassigned)
+            self.byte_ids: dict[int, int] = {}
+        else:
+            self.skip_ids = frozenset(i for i, a in raw.get_added_tokens_decoder().items() if a.special)
+            self.table = _byte_level_table(raw, self.vocab_size)
+            self.byte_ids = _byte_fallback_ids(raw) if self.table is None else {}
+
+    @property
+    def method(self) -> str:
+        return "byte-table" if self.table is not None else "prefix-window"
+
+    # --- one request ---------------------------------------------------------------------
+
+    def run(self, seqs: list) -> list[dict]:
+        steps = [self._read(i, m) for i, m in enumerate(seqs)]
+        windows = []
+        for s in steps:
+            if self.table is not None:
+                s.text = self._table_step(s)
+            else:
+                s.window = self._window_prepare(s)
+                if s.window:
+                    windows.append(s)
+        if windows:
+            self._window_finish(windows)
+        return [self._reply(s) for s in steps]
+
+    def _read(self, i: int, m: Any) -> _Step:
+        if not isinstance(m, dict):
+            raise ProtocolError("bad_request", f"field 'seqs[{i}]' must be a map, got {type_name(m)}")
+        tokens = m.get("tokens")
+        if tokens is None:
+            raise ProtocolError("bad_request", f"field 'seqs[{i}].tokens' is required")
+        ids = self._ids(tokens, f"seqs[{i}].tokens")
+        final = _field(m, "final", bool, False, i)
+        raw_state = m.get("state")
+        if raw_state is None:
+            state = self._first_state(m, i)
+        elif isinstance(raw_state, bytes):
+            state = unpack_state(raw_state, self.key, i)
+            self._check_state_ids(state, i)
+        else:
+            raise ProtocolError("bad_request", f"field 'seqs[{i}].state' must be bin or nil, got {type_name(raw_state)}")
+        stop_id = None
+        stop_ids = state.options.stop_token_ids
+        if stop_ids and not stop_ids.isdisjoint(ids):
+            k = next(k for k, t in enumerate(ids) if t in stop_ids)
+            stop_id, ids = ids[k], ids[:k]
+        if state.options.skip_special_tokens and self.skip_ids and not self.skip_ids.isdisjoint(ids):
+            ids = [t for t in ids if t not in self.skip_ids]
+        return _Step(i, state, ids, flush=final or stop_id is not None, final=final, stop_id=stop_id)
+
+    def _ids(self, value: Any, name: str) -> list[int]:
+        if isinstance(value, bytes):
+            if len(value) % 4:
+                raise ProtocolError("invalid_input", f"field '{name}': a u32 bin must be a multiple of 4 bytes long, got {len(value)}")
+            ids = list(struct.unpack(f"<{len(value) // 4}I", value))
+        elif isinstance(value, list):
+            ids = value
+            for j, t in enumerate(ids):
+                if type(t) is not int:
+                    raise ProtocolError("bad_request", f"field '{name}[{j}]' must be int, got {type_name(t)}")
+        else:
+            raise ProtocolError("bad_request", f"field '{name}' must be list or bin, got {type_name(value)}")
+        try:
+            check_ids(ids, self.vocab_size, self.unassigned)
+        except InvalidTokenId as e:
+            raise ProtocolError("invalid_input", f"field '{name}[{e.index}]': {e}") from e
+        return ids
+
+    def _first_state(self, m: dict, i: int) -> SeqState:
+        stop = _field(m, "stop", list, [], i)
+        for j, s in enumerate(stop):
+            if not isinstance(s, str):
+                raise ProtocolError("bad_request", f"field 'seqs[{i}].stop[{j}]' must be str, got {type_name(s)}")
+            if not s:
+                raise ProtocolError("invalid_input", f"field 'seqs[{i}].stop[{j}]': a stop string cannot be empty")
+        stop_ids = _field(m, "stop_token_ids", list, [], i)
+        for j, t in enumerate(stop_ids):
+            if type(t) is not int:
+                raise ProtocolError("bad_request", f"field 'seqs[{i}].stop_token_ids[{j}]' must be int, got {type_name(t)}")
+        options = Options(
+            skip_special_tokens=_field(m, "skip_special_tokens", bool, True, i),
+            stop=tuple(dict.fromkeys(stop)),
+            stop_token_ids=frozenset(t for t in stop_ids if 0 <= t < 2**32),  # others can never match
+            include_stop_str_in_output=_field(m, "include_stop_str_in_output", bool, False, i),
+        )
+        state = SeqState(options=options)
+        prompt = m.get("prompt_tokens")
+        if prompt is not None:
+            ids = self._ids(prompt, f"seqs[{i}].prompt_tokens")
+            if options.skip_special_tokens and self.skip_ids:
+                ids = [t for t in ids[-(MAX_PENDING_IDS + CONTEXT_IDS) * 4:] if t not in self.skip_ids]
+            self._prompt_context(state, ids)
+        return state
+
+    def _check_state_ids(self, state: SeqState, i: int) -> None:
+        """A forged state is well-formed but may name ids outside the vocabulary: refuse, never crash."""
+        try:
+            check_ids(state.context + state.pending, self.vocab_size, self.unassigned)
+        except InvalidTokenId as e:
+            raise ProtocolError("invalid_input", f"field 'seqs[{i}].state': sequence {i}: holds {e}") from e
+
+    # --- byte table ----------------------------------------------------------------------
+
+    def _table_step(self, s: _Step) -> str:
+        st = s.state
+        table = self.table
+        data = st.pending_bytes + b"".join([table[t] for t in s.ids])  # type: ignore[index, misc]
+        if s.flush:
+            st.pending_bytes = b""
+            return data.decode("utf-8", "replace")
+        cut = unfinished_start(data)
+        st.pending_bytes = data[cut:]
+        return data[:cut].decode("utf-8", "replace")
+
+    # --- prefix window -------------------------------------------------------------------
+
+    def _window_prepare(self, s: _Step) -> bool:
+        """Queue the step's ids; True when there is something to decode."""
+        s.state.pending.extend(s.ids)
+        return bool(s.state.pending)
+
+    def _window_finish(self, steps: list[_Step]) -> None:
+        jobs = []
+        for s in steps:
+            jobs.append(s.state.context + s.state.pending)
+            jobs.append(s.state.context)
+        texts = self.tokenizer.raw.decode_batch(jobs, skip_special_tokens=False)
+        for k, s in enumerate(steps):
+            full, base = texts[2 * k], texts[2 * k + 1]
+            new = full[len(base):]
+            st = s.state
+            if s.flush or len(st.pending) >= MAX_PENDING_IDS or not self._unfinished(new, st.pending[-1]):
+                s.text = new
+                st.context = (st.context + st.pending)[-CONTEXT_IDS:]
+                st.pending = []
+
+    def _unfinished(self, text: str, last_id: int) -> bool:
+        return text.endswith(REPLACEMENT) or last_id in self.byte_ids
+
+    def _prompt_context(self, state: SeqState, ids: list[int]) -> None:
+        """Context from the prompt's last ids; an unfinished character at its end belongs to the stream."""
+        if self.table is not None:
+            tail = b"".join([self.table[t] for t in ids[-3:]])  # type: ignore[misc]
+            state.pending_bytes = tail[unfinished_start(tail):]
+            return
+        ctx = ids[-(MAX_PENDING_IDS + CONTEXT_IDS):]
+        if ctx and self.tokenizer.raw.decode(ctx, skip_special_tokens=False).endswith(REPLACEMENT):
+            moved = 0
+            if self.byte_ids:  # the whole open byte group, which renders as U+FFFD until it is valid
+                while moved < len(ctx) - 1 and moved < MAX_PENDING_IDS - 1 and ctx[-1 - moved] in self.byte_ids:
+                    moved += 1
+            else:
+                while moved < min(3, len(ctx)) and self.tokenizer.raw.decode(ctx[:len(ctx) - moved], skip_special_tokens=False).endswith(REPLACEMENT):
+                    moved += 1
+            if moved:
+                state.pending = ctx[len(ctx) - moved:]
+                ctx = ctx[:len(ctx) - moved]
+        state.context = ctx[-CONTEXT_IDS:]
+
+    # --- stop strings and the reply ------------------------------------------------------
+
+    def _reply(self, s: _Step) -> dict:
+        st, opts = s.state, s.state.options
+        text, matched = s.text, None
+        if opts.stop:
+            text, matched = _apply_stops(st, text, opts, s.flush)
+        if matched is not None:
+            return {"text": text, "state": None, "finished": "stop", "stop": matched}
+        if s.stop_id is not None:
+            return {"text": text, "state": None, "finished": "stop", "stop": s.stop_id}
+        if s.final:
+            return {"text": text, "state": None, "finished": "final", "stop": None}
+        return {"text": text, "state": pack_state(st, self.key), "finished": None, "stop": None}
+
+
+def _apply_stops(st: SeqState, new: str, opts: Options, flush: bool) -> tuple[str, str | None]:
+    """Match stop strings over held + new text: (the text to show, the matched stop string or None).
+
+    The match is the stop string that ends earliest (of several ending there, the longest). Without
+    a match, the longest tail that is a proper prefix of some stop string is held back, so a stop
+    string can never start in text already shown.
+    """
+    text = st.held + new
+    best, best_end = None, 0
+    for s in opts.stop:
+        at = text.find(s)
+        if at >= 0:
+            end = at + len(s)
+            if best is None or end < best_end or (end == best_end and len(s) > len(best)):
+                best, best_end = s, end
+    if best is not None:
+        st.held = ""
+        return (text[:best_end] if opts.include_stop_str_in_output else text[:best_end - len(best)]), best
+    hold = 0 if flush else _prefix_tail(text, opts.stop)
+    st.held = text[len(text) - hold:] if hold else ""
+    return text[:len(text) - hold], None
+
+
+def _prefix_tail(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+def unfinished_start(data: bytes) -> int:
+    """Where an unfinished UTF-8 character at the end of `data` starts (len(data) when there is none).
+
+    Only a valid start of a character that later bytes can complete is held back; a stray or
+    invalid byte is decoded (as U+FFFD) at once, as `detokenize` shows it whatever follows.
+
+    >>> unfinished_start("日".encode()[:2]), unfinished_start(b"a\\x97"), unfinished_start(b"\\xed\\xa0")
+    (0, 2, 2)
+    """
+    n = len(data)
+    for k in range(1, min(4, n + 1)):
+        b = data[n - k]
+        if b < 0x80:
+            return n
+        if b >= 0xC0:
+            try:
+                data[n - k:].decode("utf-8")
+            except UnicodeDecodeError as e:
+                if e.reason == "unexpected end of data" and e.start == 0:
+                    return n - k
+            return n
+    return n
+
+
+def _field(m: dict, name: str, kind: type, default: Any, i: int) -> Any:
+    value = m.get(name)
+    if value is None:
+        return default
+    if type(value) is not kind:
+        want = {bool: "bool", list: "list"}[kind]
+        raise ProtocolError("bad_request", f"field 'seqs[{i}].{name}' must be {want}, got {type_name(value)}")
+    return value
+
+
+# --- building the decoders (once per tokenizer) ------------------------------------------
+
+
+def _tiktoken_table(enc: Any, vocab_size: int, unassigned: frozenset[int]) -> list[bytes | None]:
+    return [None if i in unassigned else enc.decode_single_token_bytes(i) for i in range(vocab_size)]
+
+
+def _gpt2_char_bytes() -> dict[str, int]:
+    """The byte-level alphabet: printable bytes map to themselves, the rest to U+0100 onwards."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+def _byte_level_table(raw: Any, vocab_size: int) -> list[bytes | None] | None:
+    """Each id's bytes when the decoder is plain ByteLevel and the library agrees id by id; else None."""
+    decoder = json.loads(raw.to_str()).get("decoder") or {}
+    if decoder.get("type") == "Sequence" and len(decoder.get("decoders") or []) == 1:
+        decoder = decoder["decoders"][0]
+    if decoder.get("type") != "ByteLevel":
+        return None
+    char_bytes = _gpt2_char_bytes()
+    table: list[bytes | None] = []
+    for i in range(vocab_size):
+        token = raw.id_to_token(i)
+        if token is None:
+            table.append(None)
+            continue
+        try:
+            table.append(bytes([char_bytes[c] for c in token]))
+        except KeyError:  # a token outside the byte alphabet (an added token): the decoder keeps its UTF-8
+            table.append(token.encode())
+    known = [i for i, b in enumerate(table) if b is not None]
+    library = raw.decode_batch([[i] for i in known], skip_special_tokens=False)
+    if any(table[i].decode("utf-8", "replace") != text for i, text in zip(known, library)):  # type: ignore[union-attr]
+        return None
+    return table
+
+
+def _byte_fallback_ids(raw: Any) -> dict[int, int]:
+    """id -> byte for `<0xNN>` tokens when the decoder has ByteFallback, else {}."""
+    if '"ByteFallback"' not in json.dumps(json.loads(raw.to_str()).get("decoder")):
+        return {}
+    out = {}
+    for token, i in raw.get_vocab(with_added_tokens=False).items():
+        m = _BYTE_TOKEN.match(token)
+        if m:
+            out[i] = int(m.group(1), 16)
+    return out
+
+
+_decoders: "weakref.WeakKeyDictionary[Any, StreamDecoder]" = weakref.WeakKeyDictionary()
+
+
+def decoder_for(tokenizer: Tokenizer, fingerprint: str) -> StreamDecoder:
+    """The model's StreamDecoder, built on first use (a byte table takes a fraction of a second)."""
+    d = _decoders.get(tokenizer)
+    if d is None:
+        d = _decoders[tokenizer] = StreamDecoder(tokenizer, fingerprint)
+    return d
