@@ -73,6 +73,8 @@ class StreamDecoder:
             self.skip_ids = frozenset(i for i, a in raw.get_added_tokens_decoder().items() if a.special)
             self.table = _byte_level_table(raw, self.vocab_size)
             self.byte_ids = _byte_fallback_ids(raw) if self.table is None else {}
+        # a byte token no byte completes, standing in for a byte group that is already invalid
+        self.invalid_byte_id = min((i for i, b in self.byte_ids.items() if b >= 0xF8 or 0x80 <= b < 0xC0), default=None)
 
     @property
     def method(self) -> str:
@@ -200,13 +202,60 @@ class StreamDecoder:
             full, base = texts[2 * k], texts[2 * k + 1]
             new = full[len(base):]
             st = s.state
-            if s.flush or len(st.pending) >= MAX_PENDING_IDS or not self._unfinished(new, st.pending[-1]):
+            if s.flush or not self._unfinished(new, st.pending[-1]):
                 s.text = new
-                st.context = (st.context + st.pending)[-CONTEXT_IDS:]
-                st.pending = []
+                st.context, st.pending = self._next_context(st.context + st.pending), []
+            elif len(st.pending) >= MAX_PENDING_IDS:
+                s.text = self._force_release(st, base, new)
 
     def _unfinished(self, text: str, last_id: int) -> bool:
         return text.endswith(REPLACEMENT) or last_id in self.byte_ids
+
+    def _byte_run(self, ids: list[int]) -> int:
+        """How many ids at the end of `ids` are byte-fallback tokens (an open byte group)."""
+        r = 0
+        while r < len(ids) and ids[-1 - r] in self.byte_ids:
+            r += 1
+        return r
+
+    def _next_context(self, ids: list[int]) -> list[int]:
+        """Context for what follows `ids`: a few ids, never starting inside a byte group left open.
+
+        A closed group renders the same with and without the pending ids, wherever the window
+        starts. An open one must start at a character boundary (its valid text goes on the same
+        way) or, when it is already invalid, be replaced by one invalid byte (it renders U+FFFD per
+        byte whatever follows).
+        """
+        r = self._byte_run(ids) if self.byte_ids else 0
+        if r == 0:
+            return ids[-CONTEXT_IDS:]
+        group = bytes([self.byte_ids[t] for t in ids[len(ids) - r:]])
+        try:
+            group.decode("utf-8")
+        except UnicodeDecodeError:
+            return [self.invalid_byte_id] if self.invalid_byte_id is not None else ids[-CONTEXT_IDS:]
+        last_char = max(i for i, b in enumerate(group) if b & 0xC0 != 0x80)
+        return ids[len(ids) - (len(group) - last_char):]
+
+    def _force_release(self, st: SeqState, base: str, new: str) -> str:
+        """Too many ids held (a very long byte group or U+FFFD run): release up to a character boundary."""
+        r = self._byte_run(st.pending)
+        if r:
+            group = bytes([self.byte_ids[t] for t in st.pending[len(st.pending) - r:]])
+            cut = unfinished_start(group)
+            keep = len(group) - cut
+            if keep:
+                done = st.pending[:len(st.pending) - keep]
+                try:
+                    group[:cut].decode("utf-8")
+                except UnicodeDecodeError:
+                    pass
+                else:
+                    text = self.tokenizer.raw.decode(st.context + done, skip_special_tokens=False)[len(base):]
+                    st.context, st.pending = self._next_context(st.context + done), st.pending[len(done):]
+                    return text
+        st.context, st.pending = self._next_context(st.context + st.pending), []
+        return new
 
     def _prompt_context(self, state: SeqState, ids: list[int]) -> None:
         """Context from the prompt's last ids; an unfinished character at its end belongs to the stream."""
@@ -215,17 +264,21 @@ class StreamDecoder:
             state.pending_bytes = tail[unfinished_start(tail):]
             return
         ctx = ids[-(MAX_PENDING_IDS + CONTEXT_IDS):]
+        if self.byte_ids:
+            r = self._byte_run(ctx)
+            group = bytes([self.byte_ids[t] for t in ctx[len(ctx) - r:]])
+            cut = unfinished_start(group)
+            if r and cut < len(group) and _valid(group[:cut]) and r < MAX_PENDING_IDS:
+                state.pending = ctx[len(ctx) - r:]  # the open group renders as U+FFFD until completed
+                ctx = ctx[:len(ctx) - r]
+            state.context = self._next_context(ctx)
+            return
         if ctx and self.tokenizer.raw.decode(ctx, skip_special_tokens=False).endswith(REPLACEMENT):
             moved = 0
-            if self.byte_ids:  # the whole open byte group, which renders as U+FFFD until it is valid
-                while moved < len(ctx) - 1 and moved < MAX_PENDING_IDS - 1 and ctx[-1 - moved] in self.byte_ids:
-                    moved += 1
-            else:
-                while moved < min(3, len(ctx)) and self.tokenizer.raw.decode(ctx[:len(ctx) - moved], skip_special_tokens=False).endswith(REPLACEMENT):
-                    moved += 1
-            if moved:
-                state.pending = ctx[len(ctx) - moved:]
-                ctx = ctx[:len(ctx) - moved]
+            while moved < min(3, len(ctx)) and self.tokenizer.raw.decode(ctx[:len(ctx) - moved], skip_special_tokens=False).endswith(REPLACEMENT):
+                moved += 1
+            state.pending = ctx[len(ctx) - moved:]
+            ctx = ctx[:len(ctx) - moved]
         state.context = ctx[-CONTEXT_IDS:]
 
     # --- stop strings and the reply ------------------------------------------------------
@@ -300,6 +353,14 @@ def unfinished_start(data: bytes) -> int:
                     return n - k
             return n
     return n
+
+
+def _valid(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _field(m: dict, name: str, kind: type, default: Any, i: int) -> Any:
