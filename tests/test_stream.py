@@ -29,7 +29,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.workers.fingerprint import model_fingerprint
 from tokenbroker.workers.stream import StreamDecoder, unfinished_start
-from tokenbroker.workers.stream_state import MAC_BYTES, pack_state, unpack_state
+from tokenbroker.workers.stream_state import _VERSION_BYTE, MAC_BYTES, Options, SeqState, _mac, pack_state, unpack_state
 from tokenbroker.workers.tokenizers import load_tokenizer
 
 EXAMPLES = int(os.environ.get("TOKENBROKER_STREAM_EXAMPLES", "40"))
@@ -394,28 +394,33 @@ def test_a_forged_well_formed_state_is_checked_never_crashes() -> None:
     d = decoder("cl100k")
     key = d.key
 
-    def forged(fields: list) -> bytes:
-        from tokenbroker.workers.stream_state import _VERSION_BYTE, _mac
-
-        body = msgpack.packb(fields, use_bin_type=True)
+    def signed(body: bytes) -> bytes:
         return _VERSION_BYTE + _mac(key, body) + body
 
-    big_id = (10**9).to_bytes(4, "little")
-    cases = [
-        [0, [], b"", big_id, b"", b"", ""],  # an id outside the vocabulary
-        [0, [], b"", b"", b"", b"\xe6\x97\xa5\xe6", ""],  # too many pending bytes
-        [0, [], b"", b"\x00" * 4 * 100, b"", b"", ""],  # more context than a state holds
-        [0, [""], b"", b"", b"", b"", ""],  # an empty stop string
-        [9, [], b"", b"", b"", b"", ""],  # flags out of range
-        [0, ["ab"], b"", b"", b"", b"", "a" * 10],  # more held text than a stop string needs
-        [0, [], b"\x00\x00", b"", b"", b"", ""],  # not u32
-        {"a": 1},
-        [0, [], b"", b"", b"", b"", ""] * 2,
+    def forged(state: SeqState) -> bytes:
+        return pack_state(state, key)
+
+    plain = Options()
+    good_body = forged(SeqState(Options(stop=("ab",)), [], [], b"", "a"))[1 + MAC_BYTES:]
+    refused = [
+        forged(SeqState(plain, [10**9], [], b"", "")),  # an id outside the vocabulary
+        forged(SeqState(plain, [], [], b"\xe6\x97\xa5\xe6", "")),  # more pending bytes than a character needs
+        forged(SeqState(plain, [1] * 100, [], b"", "")),  # more context than a state holds
+        forged(SeqState(plain, [], [1] * 1000, b"", "")),  # more pending ids than a state holds
+        forged(SeqState(Options(stop=("",)), [], [], b"", "")),  # an empty stop string
+        forged(SeqState(Options(stop=("ab",)), [], [], b"", "a" * 10)),  # more held text than a stop string needs
+        signed(bytes([9]) + good_body[1:]),  # flags out of range
+        signed(good_body + b"\x00"),  # lengths that do not add up
+        signed(good_body[:-1]),
+        signed(good_body[:12] + b"\xff" + good_body[13:]),  # held text that is not UTF-8
+        signed(good_body[:-4] + b"\xc1\xc1\xc1\xc1"),  # options that are not MessagePack
+        signed(b""),
     ]
-    for fields in cases:
-        expect_invalid("cl100k", forged(fields))
-    ok = d.run([{"tokens": tokenizer("cl100k").encode("!"), "state": forged([0, ["x"], b"", b"", b"", b"\xe6", "x"])}])[0]
-    assert isinstance(ok["text"], str)
+    for k, state in enumerate(refused):
+        expect_invalid("cl100k", state, index=k % 3)
+    harmless = forged(SeqState(Options(stop=("xy",)), [], [], b"\xe6", "x"))
+    ok = d.run([{"tokens": tokenizer("cl100k").encode("!"), "state": harmless}])[0]
+    assert ok["text"] == "x\ufffd!"
 
 
 def test_state_round_trips_and_stays_small() -> None:

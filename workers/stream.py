@@ -34,15 +34,16 @@ from typing import Any
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import type_name
 
-from .stream_state import MAX_PENDING_IDS, Options, SeqState, pack_state, state_key, unpack_state
+from .stream_state import MAX_CONTEXT_IDS, MAX_PENDING_IDS, Options, SeqState, pack_state, state_key, unpack_state
 from .tokenizers import InvalidTokenId, Tokenizer, check_ids
 
 CONTEXT_IDS = 4  # released ids kept as decode context (one is enough for every decoder we know)
 REPLACEMENT = "\ufffd"
+_KNOWN_MAX = 1 << 16  # byte-table states kept, each a few dozen bytes plus its options (shared)
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Step:
     """One sequence of a request while it is being served."""
 
@@ -73,6 +74,9 @@ class StreamDecoder:
             self.skip_ids = frozenset(i for i, a in raw.get_added_tokens_decoder().items() if a.special)
             self.table = _byte_level_table(raw, self.vocab_size)
             self.byte_ids = _byte_fallback_ids(raw) if self.table is None else {}
+        # byte-table states made or verified here: state -> (options, pending bytes, held text), and back
+        self._known: dict[bytes, tuple[Options, bytes, str]] = {}
+        self._by_content: dict[tuple[Options, bytes, str], bytes] = {}
         # a byte token no byte completes, standing in for a byte group that is already invalid
         self.invalid_byte_id = min((i for i, b in self.byte_ids.items() if b >= 0xF8 or 0x80 <= b < 0xC0), default=None)
 
@@ -83,6 +87,8 @@ class StreamDecoder:
     # --- one request ---------------------------------------------------------------------
 
     def run(self, seqs: list) -> list[dict]:
+        if self.table is not None:
+            return [self._table_fast(m) or self._table_slow(i, m) for i, m in enumerate(seqs)]
         steps = [self._read(i, m) for i, m in enumerate(seqs)]
         windows = []
         for s in steps:
@@ -97,46 +103,54 @@ class StreamDecoder:
         return [self._reply(s) for s in steps]
 
     def _read(self, i: int, m: Any) -> _Step:
-        if not isinstance(m, dict):
+        if type(m) is not dict:
             raise ProtocolError("bad_request", f"field 'seqs[{i}]' must be a map, got {type_name(m)}")
         tokens = m.get("tokens")
         if tokens is None:
             raise ProtocolError("bad_request", f"field 'seqs[{i}].tokens' is required")
-        ids = self._ids(tokens, f"seqs[{i}].tokens")
-        final = _field(m, "final", bool, False, i)
+        ids = self._ids(tokens, i, "tokens")
+        final = m.get("final")
+        if final is None:
+            final = False
+        elif type(final) is not bool:
+            raise ProtocolError("bad_request", f"field 'seqs[{i}].final' must be bool, got {type_name(final)}")
         raw_state = m.get("state")
         if raw_state is None:
             state = self._first_state(m, i)
-        elif isinstance(raw_state, bytes):
+        elif type(raw_state) is bytes:
             state = unpack_state(raw_state, self.key, i)
-            self._check_state_ids(state, i)
+            if state.context or state.pending:
+                self._check_state_ids(state, i)
         else:
             raise ProtocolError("bad_request", f"field 'seqs[{i}].state' must be bin or nil, got {type_name(raw_state)}")
+        options = state.options
         stop_id = None
-        stop_ids = state.options.stop_token_ids
-        if stop_ids and not stop_ids.isdisjoint(ids):
-            k = next(k for k, t in enumerate(ids) if t in stop_ids)
+        if options.stop_token_ids and not options.stop_token_ids.isdisjoint(ids):
+            k = next(k for k, t in enumerate(ids) if t in options.stop_token_ids)
             stop_id, ids = ids[k], ids[:k]
-        if state.options.skip_special_tokens and self.skip_ids and not self.skip_ids.isdisjoint(ids):
+        if options.skip_special_tokens and self.skip_ids and not self.skip_ids.isdisjoint(ids):
             ids = [t for t in ids if t not in self.skip_ids]
-        return _Step(i, state, ids, flush=final or stop_id is not None, final=final, stop_id=stop_id)
+        return _Step(i, state, ids, final or stop_id is not None, final, stop_id)
 
-    def _ids(self, value: Any, name: str) -> list[int]:
-        if isinstance(value, bytes):
-            if len(value) % 4:
-                raise ProtocolError("invalid_input", f"field '{name}': a u32 bin must be a multiple of 4 bytes long, got {len(value)}")
-            ids = list(struct.unpack(f"<{len(value) // 4}I", value))
-        elif isinstance(value, list):
+    def _ids(self, value: Any, i: int, name: str) -> list[int]:
+        """Ids given as a list of int or a u32 bin, checked against the vocabulary."""
+        if type(value) is list:
             ids = value
-            for j, t in enumerate(ids):
-                if type(t) is not int:
-                    raise ProtocolError("bad_request", f"field '{name}[{j}]' must be int, got {type_name(t)}")
+            if ids and not (len(ids) == 1 and type(ids[0]) is int) and set(map(type, ids)) != {int}:
+                j = next(j for j, t in enumerate(ids) if type(t) is not int)
+                raise ProtocolError("bad_request", f"field 'seqs[{i}].{name}[{j}]' must be int, got {type_name(ids[j])}")
+        elif type(value) is bytes:
+            if len(value) % 4:
+                raise ProtocolError(
+                    "invalid_input", f"field 'seqs[{i}].{name}': a u32 bin must be a multiple of 4 bytes long, got {len(value)}")
+            ids = list(struct.unpack(f"<{len(value) // 4}I", value))
         else:
-            raise ProtocolError("bad_request", f"field '{name}' must be list or bin, got {type_name(value)}")
-        try:
-            check_ids(ids, self.vocab_size, self.unassigned)
-        except InvalidTokenId as e:
-            raise ProtocolError("invalid_input", f"field '{name}[{e.index}]': {e}") from e
+            raise ProtocolError("bad_request", f"field 'seqs[{i}].{name}' must be list or bin, got {type_name(value)}")
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size or (self.unassigned and not self.unassigned.isdisjoint(ids))):
+            try:
+                check_ids(ids, self.vocab_size, self.unassigned)
+            except InvalidTokenId as e:
+                raise ProtocolError("invalid_input", f"field 'seqs[{i}].{name}[{e.index}]': {e}") from e
         return ids
 
     def _first_state(self, m: dict, i: int) -> SeqState:
@@ -159,7 +173,7 @@ class StreamDecoder:
         state = SeqState(options=options)
         prompt = m.get("prompt_tokens")
         if prompt is not None:
-            ids = self._ids(prompt, f"seqs[{i}].prompt_tokens")
+            ids = self._ids(prompt, i, "prompt_tokens")
             if options.skip_special_tokens and self.skip_ids:
                 ids = [t for t in ids[-(MAX_PENDING_IDS + CONTEXT_IDS) * 4:] if t not in self.skip_ids]
             self._prompt_context(state, ids)
@@ -173,6 +187,60 @@ class StreamDecoder:
             raise ProtocolError("invalid_input", f"field 'seqs[{i}].state': sequence {i}: holds {e}") from e
 
     # --- byte table ----------------------------------------------------------------------
+
+    def _table_fast(self, m: Any) -> dict | None:
+        """The common step of a byte-table model in few operations: a state seen before (so already
+        verified), plain ids, no `final`, no stop id among them. None sends the step the general
+        way, which checks everything and names what is wrong.
+        """
+        if type(m) is not dict:
+            return None
+        raw_state = m.get("state")
+        known = self._known.get(raw_state) if type(raw_state) is bytes else None
+        if known is None or m.get("final"):
+            return None
+        ids = m.get("tokens")
+        if type(ids) is not list or (ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= self.vocab_size)):
+            return None
+        options, pending, held = known
+        if options.stop_token_ids and not options.stop_token_ids.isdisjoint(ids):
+            return None
+        if options.skip_special_tokens and self.skip_ids and not self.skip_ids.isdisjoint(ids):
+            ids = [t for t in ids if t not in self.skip_ids]
+        table = self.table
+        try:
+            data = pending + b"".join([table[t] for t in ids])  # type: ignore[index, misc]
+        except TypeError:  # an unassigned id (None in the table): the general way names it
+            return None
+        cut = len(data) if not data or data[-1] < 0x80 else unfinished_start(data)
+        text = data[:cut].decode("utf-8", "replace")
+        rest = data[cut:]
+        if options.stop:
+            text, matched, now_held = stop_scan(held, text, options, False)
+            if matched is not None:
+                return {"text": text, "state": None, "finished": "stop", "stop": matched}
+        else:
+            now_held = held
+        state = raw_state if rest == pending and now_held == held else self._table_state(options, rest, now_held)
+        return {"text": text, "state": state, "finished": None, "stop": None}
+
+    def _table_slow(self, i: int, m: Any) -> dict:
+        s = self._read(i, m)
+        s.text = self._table_step(s)
+        return self._reply(s)
+
+    def _table_state(self, options: Options, pending: bytes, held: str) -> bytes:
+        """A byte-table sequence's state, packed once and kept with what it holds (so it is not verified again)."""
+        key = (options, pending, held)
+        state = self._by_content.get(key)
+        if state is None:
+            if len(self._known) >= _KNOWN_MAX:
+                self._known.clear()
+                self._by_content.clear()
+            state = pack_state(SeqState(options, pending_bytes=pending, held=held), self.key)
+            self._known[state] = key
+            self._by_content[key] = state
+        return state
 
     def _table_step(self, s: _Step) -> str:
         st = s.state
@@ -193,20 +261,31 @@ class StreamDecoder:
         return bool(s.state.pending)
 
     def _window_finish(self, steps: list[_Step]) -> None:
-        jobs = []
+        jobs, where = [], []
         for s in steps:
             jobs.append(s.state.context + s.state.pending)
-            jobs.append(s.state.context)
+            if s.state.base_len < 0:  # the context's text length is not known from the previous step
+                jobs.append(s.state.context)
+            where.append(len(jobs))
         texts = self.tokenizer.raw.decode_batch(jobs, skip_special_tokens=False)
-        for k, s in enumerate(steps):
-            full, base = texts[2 * k], texts[2 * k + 1]
-            new = full[len(base):]
+        at = 0
+        for s, end in zip(steps, where):
             st = s.state
+            full = texts[at]
+            base_len = st.base_len if end == at + 1 else len(texts[at + 1])
+            at = end
+            new = full[base_len:]
             if s.flush or not self._unfinished(new, st.pending[-1]):
                 s.text = new
-                st.context, st.pending = self._next_context(st.context + st.pending), []
+                released = st.context + st.pending
+                st.context, st.pending = self._next_context(released), []
+                # a context that grew by the released ids decodes to `full`: the next step needs no base decode
+                st.base_len = len(full) if st.context == released else -1
             elif len(st.pending) >= MAX_PENDING_IDS:
-                s.text = self._force_release(st, base, new)
+                s.text = self._force_release(st, full[:base_len], new)
+                st.base_len = -1
+            else:
+                st.base_len = base_len
 
     def _unfinished(self, text: str, last_id: int) -> bool:
         return text.endswith(REPLACEMENT) or last_id in self.byte_ids
@@ -228,7 +307,7 @@ class StreamDecoder:
         """
         r = self._byte_run(ids) if self.byte_ids else 0
         if r == 0:
-            return ids[-CONTEXT_IDS:]
+            return ids if len(ids) <= MAX_CONTEXT_IDS else ids[-CONTEXT_IDS:]
         group = bytes([self.byte_ids[t] for t in ids[len(ids) - r:]])
         try:
             group.decode("utf-8")
@@ -294,17 +373,24 @@ class StreamDecoder:
             return {"text": text, "state": None, "finished": "stop", "stop": s.stop_id}
         if s.final:
             return {"text": text, "state": None, "finished": "final", "stop": None}
+        if self.table is not None:
+            return {"text": text, "state": self._table_state(opts, st.pending_bytes, st.held), "finished": None, "stop": None}
         return {"text": text, "state": pack_state(st, self.key), "finished": None, "stop": None}
 
 
 def _apply_stops(st: SeqState, new: str, opts: Options, flush: bool) -> tuple[str, str | None]:
-    """Match stop strings over held + new text: (the text to show, the matched stop string or None).
+    text, matched, st.held = stop_scan(st.held, new, opts, flush)
+    return text, matched
+
+
+def stop_scan(held: str, new: str, opts: Options, flush: bool) -> tuple[str, str | None, str]:
+    """Match stop strings over held + new text: (text to show, matched stop string or None, text now held).
 
     The match is the stop string that ends earliest (of several ending there, the longest). Without
     a match, the longest tail that is a proper prefix of some stop string is held back, so a stop
     string can never start in text already shown.
     """
-    text = st.held + new
+    text = held + new
     best, best_end = None, 0
     for s in opts.stop:
         at = text.find(s)
@@ -313,11 +399,9 @@ def _apply_stops(st: SeqState, new: str, opts: Options, flush: bool) -> tuple[st
             if best is None or end < best_end or (end == best_end and len(s) > len(best)):
                 best, best_end = s, end
     if best is not None:
-        st.held = ""
-        return (text[:best_end] if opts.include_stop_str_in_output else text[:best_end - len(best)]), best
+        return (text[:best_end] if opts.include_stop_str_in_output else text[:best_end - len(best)]), best, ""
     hold = 0 if flush else _prefix_tail(text, opts.stop)
-    st.held = text[len(text) - hold:] if hold else ""
-    return text[:len(text) - hold], None
+    return text[:len(text) - hold], None, (text[len(text) - hold:] if hold else "")
 
 
 def _prefix_tail(text: str, stops: tuple[str, ...]) -> int:

@@ -3,7 +3,7 @@
 The service keeps no memory of a sequence, so the state travels with the client. It is versioned,
 small and authenticated:
 
-    state = VERSION (1 byte) | MAC (16 bytes) | body (MessagePack array)
+    state = VERSION (1 byte) | MAC (16 bytes) | body (fixed header, ids, bytes, text, options)
     MAC   = BLAKE2b-128(VERSION | body, key = SHA-256(DOMAIN | model fingerprint))
 
 Any worker or broker serving the same model derives the same key, so any of them can serve any
@@ -47,7 +47,7 @@ class Options:
     include_stop_str_in_output: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqState:
     """One sequence between two steps: options, decode context and what is held back."""
 
@@ -56,6 +56,7 @@ class SeqState:
     pending: list[int] = field(default_factory=list)  # ids decoded but not released yet
     pending_bytes: bytes = b""  # bytes of an unfinished character (byte-table decoding)
     held: str = ""  # released text held back because it may start a stop string
+    base_len: int = -1  # length of the context's decoded text when known (saves a decode), else -1
 
 
 def state_key(fingerprint: str) -> bytes:
@@ -63,79 +64,102 @@ def state_key(fingerprint: str) -> bytes:
     return hashlib.sha256(DOMAIN + fingerprint.encode()).digest()
 
 
+_keyed: dict[bytes, "hashlib._Hash"] = {}
+
+
 def _mac(key: bytes, body: bytes) -> bytes:
-    return hashlib.blake2b(_VERSION_BYTE + body, key=key, digest_size=MAC_BYTES).digest()
+    base = _keyed.get(key)
+    if base is None:  # keying BLAKE2b costs more than copying a keyed one; one per model
+        base = _keyed[key] = hashlib.blake2b(_VERSION_BYTE, key=key, digest_size=MAC_BYTES)
+    h = base.copy()
+    h.update(body)
+    return h.digest()
 
 
 def _u32(ids: list[int]) -> bytes:
     return struct.pack(f"<{len(ids)}I", *ids)
 
 
+# body = header | context ids | pending ids | pending bytes | held text (UTF-8) | options (MessagePack,
+# only when there are stop strings or stop ids). Fixed fields first, so a step reads them with one
+# struct call; the options, the same for every step of a sequence, are parsed once per process.
+_HEADER = struct.Struct("<BHHBIII")  # flags, n context, n pending, n pending bytes, held bytes, options bytes, base_len + 1
+_SKIP, _INCLUDE = 1, 2
+_OPTIONS_CACHE_MAX = 4096
+_options_cache: dict[bytes, Options] = {}
+_plain = {f: Options(skip_special_tokens=bool(f & _SKIP), include_stop_str_in_output=bool(f & _INCLUDE)) for f in range(4)}
+
+
 def pack_state(state: SeqState, key: bytes) -> bytes:
     """The wire state; the same state always packs to the same bytes (a step sent again matches)."""
     o = state.options
-    flags = int(o.skip_special_tokens) | int(o.include_stop_str_in_output) << 1
-    body = msgpack.packb(
-        [flags, list(o.stop), _u32(sorted(o.stop_token_ids)), _u32(state.context), _u32(state.pending),
-         state.pending_bytes, state.held],
-        use_bin_type=True,
-    )
+    flags = (_SKIP if o.skip_special_tokens else 0) | (_INCLUDE if o.include_stop_str_in_output else 0)
+    options = msgpack.packb([list(o.stop), _u32(sorted(o.stop_token_ids))], use_bin_type=True) if (o.stop or o.stop_token_ids) else b""
+    held = state.held.encode()
+    ctx, pend, pb = state.context, state.pending, state.pending_bytes
+    body = b"".join((
+        _HEADER.pack(flags, len(ctx), len(pend), len(pb), len(held), len(options), state.base_len + 1),
+        struct.pack(f"<{len(ctx) + len(pend)}I", *ctx, *pend), pb, held, options,
+    ))
     return _VERSION_BYTE + _mac(key, body) + body
 
 
 def unpack_state(data: bytes, key: bytes, index: int) -> SeqState:
     """Check and read a state; anything wrong is an `invalid_input` naming sequence `index`."""
-
-    def bad(why: str) -> ProtocolError:
-        return ProtocolError(
-            "invalid_input", f"field 'seqs[{index}].state': sequence {index}: {why}; send the state of its previous reply untouched"
-        )
-
-    if len(data) < HEADER_BYTES:
-        raise bad(f"a state is at least {HEADER_BYTES} bytes, got {len(data)} (truncated?)")
+    if len(data) < HEADER_BYTES + _HEADER.size:
+        raise _bad(index, f"a state is at least {HEADER_BYTES + _HEADER.size} bytes, got {len(data)} (truncated?)")
     if data[0] != VERSION:
-        raise bad(f"state version {data[0]} is not served here (this worker reads version {VERSION})")
+        raise _bad(index, f"state version {data[0]} is not served here (this worker reads version {VERSION})")
     body = data[HEADER_BYTES:]
     if not hmac.compare_digest(data[1:HEADER_BYTES], _mac(key, body)):
-        raise bad("the state was altered, truncated or made for another model (its MAC does not match this model's)")
+        raise _bad(index, "the state was altered, truncated or made for another model (its MAC does not match this model's)")
+    # From here on the state is well-formed or forged by someone who knows the model: check everything.
+    flags, n_ctx, n_pend, n_bytes, n_held, n_opts, base_len = _HEADER.unpack_from(body)
+    if flags > 3 or n_ctx > MAX_CONTEXT_IDS or n_pend > MAX_PENDING_IDS or n_bytes > MAX_PENDING_BYTES:
+        raise _bad(index, "the state's header is out of range")
+    at = _HEADER.size
+    ids_end = at + 4 * (n_ctx + n_pend)
+    if ids_end + n_bytes + n_held + n_opts != len(body):
+        raise _bad(index, "the state's lengths do not add up")
+    ids = list(struct.unpack_from(f"<{n_ctx + n_pend}I", body, at))
+    pending_bytes = body[ids_end:ids_end + n_bytes]
     try:
-        fields = msgpack.unpackb(body, raw=False, use_list=True, max_bin_len=1 << 20, max_str_len=1 << 24,
-                                 max_array_len=1 << 16, max_map_len=0, max_ext_len=0)
+        held = body[ids_end + n_bytes:ids_end + n_bytes + n_held].decode()
+    except UnicodeDecodeError as e:
+        raise _bad(index, "the state's held text is not UTF-8") from e
+    options = _plain[flags] if not n_opts else _options(body[len(body) - n_opts:], flags, index)
+    if len(held) > max(map(len, options.stop), default=0):
+        raise _bad(index, "the state holds more held-back text than its longest stop string")
+    return SeqState(options, ids[:n_ctx], ids[n_ctx:], pending_bytes, held, base_len - 1)
+
+
+def _options(blob: bytes, flags: int, index: int) -> Options:
+    cache_key = bytes([flags]) + blob
+    options = _options_cache.get(cache_key)
+    if options is not None:
+        return options
+    try:
+        stop, stop_ids = msgpack.unpackb(blob, raw=False, use_list=True, max_map_len=0, max_ext_len=0)
     except Exception as e:
-        raise bad(f"the state's body is not readable: {e}") from e
-    try:
-        return _read_fields(fields)
-    except (TypeError, ValueError) as e:
-        raise bad(str(e)) from e
-
-
-def _read_fields(fields: object) -> SeqState:
-    if not isinstance(fields, list) or len(fields) != 7:
-        raise ValueError("the state's body has the wrong shape")
-    flags, stop, stop_ids, context, pending, pending_bytes, held = fields
-    if type(flags) is not int or not 0 <= flags <= 3:
-        raise ValueError("the state's flags are out of range")
+        raise _bad(index, f"the state's options are not readable: {e}") from e
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise ValueError("the state's stop strings are not a list of non-empty str")
-    if not all(isinstance(b, bytes) and len(b) % 4 == 0 for b in (stop_ids, context, pending)):
-        raise ValueError("the state's id lists are not u32 bins")
-    if not isinstance(pending_bytes, bytes) or len(pending_bytes) > MAX_PENDING_BYTES:
-        raise ValueError("the state's pending bytes are not a bin of at most 3 bytes")
-    if not isinstance(held, str):
-        raise ValueError("the state's held text is not a str")
-    ctx, pend = _ids(context), _ids(pending)
-    if len(ctx) > MAX_CONTEXT_IDS or len(pend) > MAX_PENDING_IDS:
-        raise ValueError("the state holds more ids than a state ever does")
-    if len(held) > max((len(s) for s in stop), default=0):
-        raise ValueError("the state holds more held-back text than its longest stop string")
+        raise _bad(index, "the state's stop strings are not a list of non-empty str")
+    if not isinstance(stop_ids, bytes) or len(stop_ids) % 4:
+        raise _bad(index, "the state's stop ids are not a u32 bin")
     options = Options(
-        skip_special_tokens=bool(flags & 1),
+        skip_special_tokens=bool(flags & _SKIP),
         stop=tuple(stop),
-        stop_token_ids=frozenset(_ids(stop_ids)),
-        include_stop_str_in_output=bool(flags & 2),
+        stop_token_ids=frozenset(struct.unpack(f"<{len(stop_ids) // 4}I", stop_ids)),
+        include_stop_str_in_output=bool(flags & _INCLUDE),
     )
-    return SeqState(options=options, context=ctx, pending=pend, pending_bytes=pending_bytes, held=held)
+    if len(_options_cache) >= _OPTIONS_CACHE_MAX:
+        _options_cache.clear()
+    _options_cache[cache_key] = options
+    return options
 
 
-def _ids(data: bytes) -> list[int]:
-    return list(struct.unpack(f"<{len(data) // 4}I", data))
+def _bad(index: int, why: str) -> ProtocolError:
+    return ProtocolError(
+        "invalid_input",
+        f"field 'seqs[{index}].state': sequence {index}: {why}; send the state of its previous reply untouched",
+    )
