@@ -37,7 +37,12 @@ from tokenbroker.common.protocol import type_name
 from .stream_state import MAX_CONTEXT_IDS, MAX_PENDING_IDS, Options, SeqState, pack_state, state_key, unpack_state
 from .tokenizers import InvalidTokenId, Tokenizer, check_ids
 
-CONTEXT_IDS = 4  # released ids kept as decode context (one is enough for every decoder we know)
+# Released ids kept as decode context. One is enough for every decoder we know (they look at a
+# token's neighbour or its index only); the context then grows by the released ids up to
+# GROW_IDS, so the next step knows its context's text length from this step's decode.
+CONTEXT_IDS = 1
+GROW_IDS = 3
+_RECENT_MAX = 1 << 14  # window states made here and kept parsed (a few hundred bytes each)
 REPLACEMENT = "\ufffd"
 _KNOWN_MAX = 1 << 16  # byte-table states kept, each a few dozen bytes plus its options (shared)
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -77,6 +82,8 @@ class StreamDecoder:
         # byte-table states made or verified here: state -> (options, pending bytes, held text), and back
         self._known: dict[bytes, tuple[Options, bytes, str]] = {}
         self._by_content: dict[tuple[Options, bytes, str], bytes] = {}
+        # window states made here: state -> what it holds, so the next step need not verify it
+        self._recent: dict[bytes, tuple] = {}
         # a byte token no byte completes, standing in for a byte group that is already invalid
         self.invalid_byte_id = min((i for i, b in self.byte_ids.items() if b >= 0xF8 or 0x80 <= b < 0xC0), default=None)
 
@@ -118,9 +125,13 @@ class StreamDecoder:
         if raw_state is None:
             state = self._first_state(m, i)
         elif type(raw_state) is bytes:
-            state = unpack_state(raw_state, self.key, i)
-            if state.context or state.pending:
-                self._check_state_ids(state, i)
+            made = self._recent.get(raw_state)
+            if made is not None:  # made here, so verified: skip the MAC and the parse
+                state = SeqState(made[0], list(made[1]), list(made[2]), made[3], made[4], made[5])
+            else:
+                state = unpack_state(raw_state, self.key, i)
+                if state.context or state.pending:
+                    self._check_state_ids(state, i)
         else:
             raise ProtocolError("bad_request", f"field 'seqs[{i}].state' must be bin or nil, got {type_name(raw_state)}")
         options = state.options
@@ -307,7 +318,7 @@ class StreamDecoder:
         """
         r = self._byte_run(ids) if self.byte_ids else 0
         if r == 0:
-            return ids if len(ids) <= MAX_CONTEXT_IDS else ids[-CONTEXT_IDS:]
+            return ids if len(ids) <= GROW_IDS else ids[-CONTEXT_IDS:]
         group = bytes([self.byte_ids[t] for t in ids[len(ids) - r:]])
         try:
             group.decode("utf-8")
@@ -375,7 +386,11 @@ class StreamDecoder:
             return {"text": text, "state": None, "finished": "final", "stop": None}
         if self.table is not None:
             return {"text": text, "state": self._table_state(opts, st.pending_bytes, st.held), "finished": None, "stop": None}
-        return {"text": text, "state": pack_state(st, self.key), "finished": None, "stop": None}
+        state = pack_state(st, self.key)
+        if len(self._recent) >= _RECENT_MAX:
+            self._recent.clear()
+        self._recent[state] = (opts, tuple(st.context), tuple(st.pending), st.pending_bytes, st.held, st.base_len)
+        return {"text": text, "state": state, "finished": None, "stop": None}
 
 
 def _apply_stops(st: SeqState, new: str, opts: Options, flush: bool) -> tuple[str, str | None]:
