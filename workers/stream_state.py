@@ -94,7 +94,7 @@ def pack_state(state: SeqState, key: bytes) -> bytes:
     """The wire state; the same state always packs to the same bytes (a step sent again matches)."""
     o = state.options
     flags = (_SKIP if o.skip_special_tokens else 0) | (_INCLUDE if o.include_stop_str_in_output else 0)
-    options = msgpack.packb([list(o.stop), _u32(sorted(o.stop_token_ids))], use_bin_type=True) if (o.stop or o.stop_token_ids) else b""
+    options = _options_blob(o)
     held = state.held.encode()
     ctx, pend, pb = state.context, state.pending, state.pending_bytes
     body = b"".join((
@@ -102,6 +102,21 @@ def pack_state(state: SeqState, key: bytes) -> bytes:
         struct.pack(f"<{len(ctx) + len(pend)}I", *ctx, *pend), pb, held, options,
     ))
     return _VERSION_BYTE + _mac(key, body) + body
+
+
+_blobs: dict[Options, bytes] = {}
+
+
+def _options_blob(o: Options) -> bytes:
+    """The options' MessagePack (b"" when there are no stop strings or ids), packed once per options."""
+    if not (o.stop or o.stop_token_ids):
+        return b""
+    blob = _blobs.get(o)
+    if blob is None:
+        if len(_blobs) >= _OPTIONS_CACHE_MAX:
+            _blobs.clear()
+        blob = _blobs[o] = msgpack.packb([list(o.stop), _u32(sorted(o.stop_token_ids))], use_bin_type=True)
+    return blob
 
 
 def unpack_state(data: bytes, key: bytes, index: int) -> SeqState:
