@@ -507,3 +507,17 @@ def test_a_long_byte_group_is_released_at_character_boundaries_and_stays_exact()
         assert not r["text"].endswith(FFFD)
         if r["state"] is not None:
             assert len(unpack_state(r["state"], decoder(name).key, 0).pending) <= 64
+
+
+def test_stop_strings_are_bounded_so_every_step_stays_cheap() -> None:
+    d = decoder("cl100k")
+    for stop, field in ((["a" * 1025], "seqs[0].stop[0]"), ([f"s{k}" for k in range(65)], "seqs[0].stop")):
+        with pytest.raises(ProtocolError) as e:
+            d.run([{"tokens": [1], "stop": stop}])
+        assert e.value.code == "invalid_input" and field in e.value.message
+    # the largest allowed, against text that keeps matching its prefix: still answered
+    tok = tokenizer("cl100k")
+    r = d.run([{"tokens": tok.encode("a" * 1000), "stop": ["a" * 1023 + "b"] + [f"s{k}" for k in range(63)]}])[0]
+    assert r["text"] == "" and r["finished"] is None
+    r = d.run([{"tokens": tok.encode("a" * 100), "state": r["state"]}])[0]
+    assert r["text"] == "a" * 77 and len(unpack_state(r["state"], d.key, 0).held) == 1023

@@ -34,7 +34,7 @@ from typing import Any
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import type_name
 
-from .stream_state import MAX_CONTEXT_IDS, MAX_PENDING_IDS, Options, SeqState, pack_state, state_key, unpack_state
+from .stream_state import MAX_PENDING_IDS, MAX_STOP_CHARS, MAX_STOP_STRINGS, Options, SeqState, pack_state, state_key, unpack_state
 from .tokenizers import InvalidTokenId, Tokenizer, check_ids
 
 # Released ids kept as decode context. One is enough for every decoder we know (they look at a
@@ -169,8 +169,11 @@ class StreamDecoder:
         for j, s in enumerate(stop):
             if not isinstance(s, str):
                 raise ProtocolError("bad_request", f"field 'seqs[{i}].stop[{j}]' must be str, got {type_name(s)}")
-            if not s:
-                raise ProtocolError("invalid_input", f"field 'seqs[{i}].stop[{j}]': a stop string cannot be empty")
+            if not 0 < len(s) <= MAX_STOP_CHARS:
+                raise ProtocolError(
+                    "invalid_input", f"field 'seqs[{i}].stop[{j}]': a stop string has 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
+        if len(set(stop)) > MAX_STOP_STRINGS:
+            raise ProtocolError("invalid_input", f"field 'seqs[{i}].stop': at most {MAX_STOP_STRINGS} stop strings, got {len(set(stop))}")
         stop_ids = _field(m, "stop_token_ids", list, [], i)
         for j, t in enumerate(stop_ids):
             if type(t) is not int:

@@ -35,6 +35,9 @@ HEADER_BYTES = 1 + MAC_BYTES
 MAX_CONTEXT_IDS = 8  # ids of context before the pending ones (the decoder keeps 4)
 MAX_PENDING_IDS = 64  # ids decoded but not yet released (an unfinished character or byte group)
 MAX_PENDING_BYTES = 3  # bytes of an unfinished UTF-8 character (byte-level tokenizers)
+# Bounds on stop strings, so that holding back a possible stop prefix stays cheap every step.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -157,8 +160,10 @@ def _options(blob: bytes, flags: int, index: int) -> Options:
         stop, stop_ids = msgpack.unpackb(blob, raw=False, use_list=True, max_map_len=0, max_ext_len=0)
     except Exception as e:
         raise _bad(index, f"the state's options are not readable: {e}") from e
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise _bad(index, "the state's stop strings are not a list of non-empty str")
+    if not isinstance(stop, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise _bad(index, f"the state's stop strings are not a list of str of 1 to {MAX_STOP_CHARS} characters")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise _bad(index, f"the state holds more than {MAX_STOP_STRINGS} stop strings")
     if not isinstance(stop_ids, bytes) or len(stop_ids) % 4:
         raise _bad(index, "the state's stop ids are not a u32 bin")
     options = Options(
