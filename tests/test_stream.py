@@ -468,6 +468,8 @@ def test_bad_fields_name_the_sequence_and_the_field() -> None:
         ([{"state": None}], "bad_request", "seqs[0].tokens"),
         ([{"tokens": [1, "a"]}], "bad_request", "seqs[0].tokens[1]"),
         ([{"tokens": [1], "final": 1}], "bad_request", "seqs[0].final"),
+        ([{"tokens": [1], "state": first_state(), "final": 0}], "bad_request", "seqs[0].final"),
+        ([{"tokens": [True], "state": first_state()}], "bad_request", "seqs[0].tokens[0]"),
         ([{"tokens": [1], "stop": [""]}], "invalid_input", "seqs[0].stop[0]"),
         ([{"tokens": [1], "stop": [3]}], "bad_request", "seqs[0].stop[0]"),
         ([{"tokens": [1]}, {"tokens": [10**8]}], "invalid_input", "seqs[1].tokens[0]"),

@@ -211,7 +211,8 @@ class StreamDecoder:
             return None
         raw_state = m.get("state")
         known = self._known.get(raw_state) if type(raw_state) is bytes else None
-        if known is None or m.get("final"):
+        final = m.get("final")
+        if known is None or (final is not None and final is not False):  # a `final` of 0 is no bool: the general way says so
             return None
         ids = m.get("tokens")
         if type(ids) is not list or (ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= self.vocab_size)):
