@@ -60,7 +60,7 @@ GROWTH_DIVISOR = 8  # past 2 KiB a block is 1/8 of its start offset: relative pr
 MAX_BLOCKS = 256
 BATCH_SEPARATOR = b"\xff"
 
-KEYLESS_OPS = frozenset({"detokenize", "models", "ping", "detokenize_stream"})
+KEYLESS_OPS = frozenset({"detokenize", "detokenize_stream", "models", "ping", "add_model", "remove_model"})
 
 # The hash constructor, a module name so a test can count what is hashed through it.
 _new_hash: Callable[..., Any] = hashlib.sha256
