@@ -24,8 +24,6 @@ still begin one (see `_apply_stops`).
 
 from __future__ import annotations
 
-import json
-import re
 import struct
 import weakref
 from dataclasses import dataclass
@@ -35,6 +33,8 @@ from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import type_name
 
 from .stream_state import MAX_PENDING_IDS, MAX_STOP_CHARS, MAX_STOP_STRINGS, Options, SeqState, pack_state, state_key, unpack_state
+from .stream_text import stop_scan, unfinished_start, valid_utf8
+from .stream_vocab import byte_fallback_ids, byte_level_table, tiktoken_table
 from .tokenizers import InvalidTokenId, Tokenizer, check_ids
 
 # Released ids kept as decode context. One is enough for every decoder we know (they look at a
@@ -45,7 +45,6 @@ GROW_IDS = 3
 _RECENT_MAX = 1 << 14  # window states made here and kept parsed (a few hundred bytes each)
 REPLACEMENT = "\ufffd"
 _KNOWN_MAX = 1 << 16  # byte-table states kept, each a few dozen bytes plus its options (shared)
-_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 @dataclass(slots=True)
@@ -73,12 +72,12 @@ class StreamDecoder:
         raw: Any = tokenizer.raw
         if tokenizer.kind == "tiktoken":
             self.skip_ids = frozenset(tokenizer.special_tokens.values())
-            self.table: list[bytes | None] | None = _tiktoken_table(raw, self.vocab_size, self.unassigned)
+            self.table: list[bytes | None] | None = tiktoken_table(raw, self.vocab_size, self.unassigned)
             self.byte_ids: dict[int, int] = {}
         else:
             self.skip_ids = frozenset(i for i, a in raw.get_added_tokens_decoder().items() if a.special)
-            self.table = _byte_level_table(raw, self.vocab_size)
-            self.byte_ids = _byte_fallback_ids(raw) if self.table is None else {}
+            self.table = byte_level_table(raw, self.vocab_size)
+            self.byte_ids = byte_fallback_ids(raw) if self.table is None else {}
         # byte-table states made or verified here: state -> (options, pending bytes, held text), and back
         self._known: dict[bytes, tuple[Options, bytes, str]] = {}
         self._by_content: dict[tuple[Options, bytes, str], bytes] = {}
@@ -362,7 +361,7 @@ class StreamDecoder:
             r = self._byte_run(ctx)
             group = bytes([self.byte_ids[t] for t in ctx[len(ctx) - r:]])
             cut = unfinished_start(group)
-            if r and cut < len(group) and _valid(group[:cut]) and r < MAX_PENDING_IDS:
+            if r and cut < len(group) and valid_utf8(group[:cut]) and r < MAX_PENDING_IDS:
                 state.pending = ctx[len(ctx) - r:]  # the open group renders as U+FFFD until completed
                 ctx = ctx[:len(ctx) - r]
             state.context = self._next_context(ctx)
@@ -402,70 +401,6 @@ def _apply_stops(st: SeqState, new: str, opts: Options, flush: bool) -> tuple[st
     return text, matched
 
 
-def stop_scan(held: str, new: str, opts: Options, flush: bool) -> tuple[str, str | None, str]:
-    """Match stop strings over held + new text: (text to show, matched stop string or None, text now held).
-
-    The match is the stop string that ends earliest (of several ending there, the longest). Without
-    a match, the longest tail that is a proper prefix of some stop string is held back, so a stop
-    string can never start in text already shown.
-    """
-    text = held + new
-    best, best_end = None, 0
-    for s in opts.stop:
-        at = text.find(s)
-        if at >= 0:
-            end = at + len(s)
-            if best is None or end < best_end or (end == best_end and len(s) > len(best)):
-                best, best_end = s, end
-    if best is not None:
-        return (text[:best_end] if opts.include_stop_str_in_output else text[:best_end - len(best)]), best, ""
-    hold = 0 if flush else _prefix_tail(text, opts.stop)
-    return text[:len(text) - hold], None, (text[len(text) - hold:] if hold else "")
-
-
-def _prefix_tail(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
-def unfinished_start(data: bytes) -> int:
-    """Where an unfinished UTF-8 character at the end of `data` starts (len(data) when there is none).
-
-    Only a valid start of a character that later bytes can complete is held back; a stray or
-    invalid byte is decoded (as U+FFFD) at once, as `detokenize` shows it whatever follows.
-
-    >>> unfinished_start("日".encode()[:2]), unfinished_start(b"a\\x97"), unfinished_start(b"\\xed\\xa0")
-    (0, 2, 2)
-    """
-    n = len(data)
-    for k in range(1, min(4, n + 1)):
-        b = data[n - k]
-        if b < 0x80:
-            return n
-        if b >= 0xC0:
-            try:
-                data[n - k:].decode("utf-8")
-            except UnicodeDecodeError as e:
-                if e.reason == "unexpected end of data" and e.start == 0:
-                    return n - k
-            return n
-    return n
-
-
-def _valid(data: bytes) -> bool:
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
 def _field(m: dict, name: str, kind: type, default: Any, i: int) -> Any:
     value = m.get(name)
     if value is None:
@@ -474,61 +409,6 @@ def _field(m: dict, name: str, kind: type, default: Any, i: int) -> Any:
         want = {bool: "bool", list: "list"}[kind]
         raise ProtocolError("bad_request", f"field 'seqs[{i}].{name}' must be {want}, got {type_name(value)}")
     return value
-
-
-# --- building the decoders (once per tokenizer) ------------------------------------------
-
-
-def _tiktoken_table(enc: Any, vocab_size: int, unassigned: frozenset[int]) -> list[bytes | None]:
-    return [None if i in unassigned else enc.decode_single_token_bytes(i) for i in range(vocab_size)]
-
-
-def _gpt2_char_bytes() -> dict[str, int]:
-    """The byte-level alphabet: printable bytes map to themselves, the rest to U+0100 onwards."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, extra = {chr(b): b for b in printable}, 0
-    for b in range(256):
-        if b not in printable:
-            out[chr(256 + extra)] = b
-            extra += 1
-    return out
-
-
-def _byte_level_table(raw: Any, vocab_size: int) -> list[bytes | None] | None:
-    """Each id's bytes when the decoder is plain ByteLevel and the library agrees id by id; else None."""
-    decoder = json.loads(raw.to_str()).get("decoder") or {}
-    if decoder.get("type") == "Sequence" and len(decoder.get("decoders") or []) == 1:
-        decoder = decoder["decoders"][0]
-    if decoder.get("type") != "ByteLevel":
-        return None
-    char_bytes = _gpt2_char_bytes()
-    table: list[bytes | None] = []
-    for i in range(vocab_size):
-        token = raw.id_to_token(i)
-        if token is None:
-            table.append(None)
-            continue
-        try:
-            table.append(bytes([char_bytes[c] for c in token]))
-        except KeyError:  # a token outside the byte alphabet (an added token): the decoder keeps its UTF-8
-            table.append(token.encode())
-    known = [i for i, b in enumerate(table) if b is not None]
-    library = raw.decode_batch([[i] for i in known], skip_special_tokens=False)
-    if any(table[i].decode("utf-8", "replace") != text for i, text in zip(known, library)):  # type: ignore[union-attr]
-        return None
-    return table
-
-
-def _byte_fallback_ids(raw: Any) -> dict[int, int]:
-    """id -> byte for `<0xNN>` tokens when the decoder has ByteFallback, else {}."""
-    if '"ByteFallback"' not in json.dumps(json.loads(raw.to_str()).get("decoder")):
-        return {}
-    out = {}
-    for token, i in raw.get_vocab(with_added_tokens=False).items():
-        m = _BYTE_TOKEN.match(token)
-        if m:
-            out[i] = int(m.group(1), 16)
-    return out
 
 
 _decoders: "weakref.WeakKeyDictionary[Any, StreamDecoder]" = weakref.WeakKeyDictionary()
