@@ -114,7 +114,11 @@ class StreamDecoder:
         tokens = m.get("tokens")
         if tokens is None:
             raise ProtocolError("bad_request", f"field 'seqs[{i}].tokens' is required")
-        ids = self._ids(tokens, i, "tokens")
+        if type(tokens) is list and len(tokens) == 1 and type(tokens[0]) is int and 0 <= tokens[0] < self.vocab_size \
+                and tokens[0] not in self.unassigned:
+            ids = tokens  # one plain id, the common step: checked here without the general path
+        else:
+            ids = self._ids(tokens, i, "tokens")
         final = m.get("final")
         if final is None:
             final = False
@@ -275,34 +279,40 @@ class StreamDecoder:
         return bool(s.state.pending)
 
     def _window_finish(self, steps: list[_Step]) -> None:
-        jobs, where = [], []
+        jobs, released = [], []
         for s in steps:
-            jobs.append(s.state.context + s.state.pending)
-            if s.state.base_len < 0:  # the context's text length is not known from the previous step
-                jobs.append(s.state.context)
-            where.append(len(jobs))
+            st = s.state
+            ids = st.context + st.pending
+            released.append(ids)
+            jobs.append(ids)
+            if st.base_len < 0:  # the context's text length is not known from the previous step
+                jobs.append(st.context)
         texts = self.tokenizer.raw.decode_batch(jobs, skip_special_tokens=False)
-        at = 0
-        for s, end in zip(steps, where):
+        byte_ids, at = self.byte_ids, 0
+        for s, ids in zip(steps, released):
             st = s.state
             full = texts[at]
-            base_len = st.base_len if end == at + 1 else len(texts[at + 1])
-            at = end
+            if st.base_len < 0:
+                base_len = len(texts[at + 1])
+                at += 2
+            else:
+                base_len = st.base_len
+                at += 1
             new = full[base_len:]
-            if s.flush or not self._unfinished(new, st.pending[-1]):
+            if s.flush or not (new.endswith(REPLACEMENT) or st.pending[-1] in byte_ids):
                 s.text = new
-                released = st.context + st.pending
-                st.context, st.pending = self._next_context(released), []
-                # a context that grew by the released ids decodes to `full`: the next step needs no base decode
-                st.base_len = len(full) if st.context == released else -1
+                st.pending = []
+                if not byte_ids and len(ids) <= GROW_IDS:  # the common case of _next_context, inline
+                    st.context, st.base_len = ids, len(full)
+                else:
+                    st.context = self._next_context(ids)
+                    # a context that grew by the released ids decodes to `full`: the next step needs no base decode
+                    st.base_len = len(full) if st.context == ids else -1
             elif len(st.pending) >= MAX_PENDING_IDS:
                 s.text = self._force_release(st, full[:base_len], new)
                 st.base_len = -1
             else:
                 st.base_len = base_len
-
-    def _unfinished(self, text: str, last_id: int) -> bool:
-        return text.endswith(REPLACEMENT) or last_id in self.byte_ids
 
     def _byte_run(self, ids: list[int]) -> int:
         """How many ids at the end of `ids` are byte-fallback tokens (an open byte group)."""

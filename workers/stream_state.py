@@ -97,14 +97,24 @@ def pack_state(state: SeqState, key: bytes) -> bytes:
     """The wire state; the same state always packs to the same bytes (a step sent again matches)."""
     o = state.options
     flags = (_SKIP if o.skip_special_tokens else 0) | (_INCLUDE if o.include_stop_str_in_output else 0)
-    options = _options_blob(o)
-    held = state.held.encode()
+    options = _options_blob(o) if (o.stop or o.stop_token_ids) else b""
+    held = state.held.encode() if state.held else b""
     ctx, pend, pb = state.context, state.pending, state.pending_bytes
-    body = b"".join((
-        _HEADER.pack(flags, len(ctx), len(pend), len(pb), len(held), len(options), state.base_len + 1),
-        struct.pack(f"<{len(ctx) + len(pend)}I", *ctx, *pend), pb, held, options,
-    ))
+    n = len(ctx) + len(pend)
+    body = (_HEADER.pack(flags, len(ctx), len(pend), len(pb), len(held), len(options), state.base_len + 1)
+            + (_u32s(n).pack(*ctx, *pend) if n else b"") + pb + held + options)
     return _VERSION_BYTE + _mac(key, body) + body
+
+
+_U32S: dict[int, struct.Struct] = {}
+
+
+def _u32s(n: int) -> struct.Struct:
+    """A compiled struct for n little-endian uint32s (n is small: at most the state's id bounds)."""
+    s = _U32S.get(n)
+    if s is None:
+        s = _U32S[n] = struct.Struct(f"<{n}I")
+    return s
 
 
 _blobs: dict[Options, bytes] = {}
@@ -139,7 +149,7 @@ def unpack_state(data: bytes, key: bytes, index: int) -> SeqState:
     ids_end = at + 4 * (n_ctx + n_pend)
     if ids_end + n_bytes + n_held + n_opts != len(body):
         raise _bad(index, "the state's lengths do not add up")
-    ids = list(struct.unpack_from(f"<{n_ctx + n_pend}I", body, at))
+    ids = list(_u32s(n_ctx + n_pend).unpack_from(body, at)) if n_ctx + n_pend else []
     pending_bytes = body[ids_end:ids_end + n_bytes]
     try:
         held = body[ids_end + n_bytes:ids_end + n_bytes + n_held].decode()
