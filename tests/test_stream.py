@@ -523,3 +523,30 @@ def test_stop_strings_are_bounded_so_every_step_stays_cheap() -> None:
     assert r["text"] == "" and r["finished"] is None
     r = d.run([{"tokens": tok.encode("a" * 100), "state": r["state"]}])[0]
     assert r["text"] == "a" * 77 and len(unpack_state(r["state"], d.key, 0).held) == 1023
+
+
+@pytest.mark.parametrize("name", ["bert", "sp-first", "sp-bytefallback", "deepseek", "qwen"])
+def test_a_step_that_changes_nothing_returns_the_same_state(name: str) -> None:
+    """Plain text after the first word: the context is an anchor (or no bytes are pending), so the
+    state stays the same bytes step after step; the worker neither packs nor verifies it again."""
+    d, tok = decoder(name), tokenizer(name)
+    ids = tok.encode("hello world token broker cache hello token world", add_special_tokens=False)
+    states = []
+    state = None
+    for t in ids:
+        r = d.run([{"tokens": [t], "state": state}])[0]
+        state = r["state"]
+        states.append(state)
+    assert len(set(states[2:])) == 1, name
+
+
+def test_the_anchor_is_only_used_for_decoders_that_look_at_position_alone() -> None:
+    from tokenizers import decoders
+
+    from tokenbroker.workers.stream_vocab import anchor_token
+
+    tok = Tokenizer.from_file(str(BERT_DIR / "tokenizer.json"))
+    assert anchor_token(tok, tok.get_vocab_size(), frozenset()) is not None
+    for decoder in (decoders.CTC(), decoders.BPEDecoder(), decoders.Strip(" ", 0, 1)):
+        tok.decoder = decoder
+        assert anchor_token(tok, tok.get_vocab_size(), frozenset()) is None

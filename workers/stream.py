@@ -34,7 +34,7 @@ from tokenbroker.common.protocol import type_name
 
 from .stream_state import MAX_PENDING_IDS, MAX_STOP_CHARS, MAX_STOP_STRINGS, Options, SeqState, pack_state, state_key, unpack_state
 from .stream_text import stop_scan, unfinished_start, valid_utf8
-from .stream_vocab import byte_fallback_ids, byte_level_table, tiktoken_table
+from .stream_vocab import anchor_token, byte_fallback_ids, byte_level_table, tiktoken_table
 from .tokenizers import InvalidTokenId, Tokenizer, check_ids
 
 # Released ids kept as decode context. One is enough for every decoder we know (they look at a
@@ -59,6 +59,8 @@ class _Step:
     stop_id: int | None = None
     text: str = ""
     window: bool = False  # waits for the batch decode
+    made: tuple | None = None  # what its state held when this worker made it (window states)
+    raw_state: bytes | None = None
 
 
 class StreamDecoder:
@@ -83,6 +85,9 @@ class StreamDecoder:
         self._by_content: dict[tuple[Options, bytes, str], bytes] = {}
         # window states made here: state -> what it holds, so the next step need not verify it
         self._recent: dict[bytes, tuple] = {}
+        # one token that stands in for any context ending in a released non-byte token (see stream_vocab)
+        found = None if self.table is not None else anchor_token(raw, self.vocab_size, self.skip_ids | frozenset(self.byte_ids))
+        self.anchor, self.anchor_len = found if found is not None else (None, -1)
         # a byte token no byte completes, standing in for a byte group that is already invalid
         self.invalid_byte_id = min((i for i, b in self.byte_ids.items() if b >= 0xF8 or 0x80 <= b < 0xC0), default=None)
 
@@ -125,6 +130,7 @@ class StreamDecoder:
         elif type(final) is not bool:
             raise ProtocolError("bad_request", f"field 'seqs[{i}].final' must be bool, got {type_name(final)}")
         raw_state = m.get("state")
+        made = None
         if raw_state is None:
             state = self._first_state(m, i)
         elif type(raw_state) is bytes:
@@ -144,7 +150,7 @@ class StreamDecoder:
             stop_id, ids = ids[k], ids[:k]
         if options.skip_special_tokens and self.skip_ids and not self.skip_ids.isdisjoint(ids):
             ids = [t for t in ids if t not in self.skip_ids]
-        return _Step(i, state, ids, final or stop_id is not None, final, stop_id)
+        return _Step(i, state, ids, final or stop_id is not None, final, stop_id, made=made, raw_state=raw_state)
 
     def _ids(self, value: Any, i: int, name: str) -> list[int]:
         """Ids given as a list of int or a u32 bin, checked against the vocabulary."""
@@ -288,7 +294,7 @@ class StreamDecoder:
             if st.base_len < 0:  # the context's text length is not known from the previous step
                 jobs.append(st.context)
         texts = self.tokenizer.raw.decode_batch(jobs, skip_special_tokens=False)
-        byte_ids, at = self.byte_ids, 0
+        byte_ids, anchor, anchor_len, at = self.byte_ids, self.anchor, self.anchor_len, 0
         for s, ids in zip(steps, released):
             st = s.state
             full = texts[at]
@@ -302,7 +308,9 @@ class StreamDecoder:
             if s.flush or not (new.endswith(REPLACEMENT) or st.pending[-1] in byte_ids):
                 s.text = new
                 st.pending = []
-                if not byte_ids and len(ids) <= GROW_IDS:  # the common case of _next_context, inline
+                if anchor is not None and ids[-1] not in byte_ids:  # the state stays the same: no new MAC
+                    st.context, st.base_len = [anchor], anchor_len
+                elif not byte_ids and len(ids) <= GROW_IDS:  # the common case of _next_context, inline
                     st.context, st.base_len = ids, len(full)
                 else:
                     st.context = self._next_context(ids)
@@ -331,6 +339,8 @@ class StreamDecoder:
         """
         r = self._byte_run(ids) if self.byte_ids else 0
         if r == 0:
+            if self.anchor is not None and ids:
+                return [self.anchor]
             return ids if len(ids) <= GROW_IDS else ids[-CONTEXT_IDS:]
         group = bytes([self.byte_ids[t] for t in ids[len(ids) - r:]])
         try:
@@ -399,10 +409,13 @@ class StreamDecoder:
             return {"text": text, "state": None, "finished": "final", "stop": None}
         if self.table is not None:
             return {"text": text, "state": self._table_state(opts, st.pending_bytes, st.held), "finished": None, "stop": None}
+        holds = (opts, tuple(st.context), tuple(st.pending), st.pending_bytes, st.held, st.base_len)
+        if holds == s.made:  # nothing changed (an anchored context, nothing held): the same state again
+            return {"text": text, "state": s.raw_state, "finished": None, "stop": None}
         state = pack_state(st, self.key)
         if len(self._recent) >= _RECENT_MAX:
             self._recent.clear()
-        self._recent[state] = (opts, tuple(st.context), tuple(st.pending), st.pending_bytes, st.held, st.base_len)
+        self._recent[state] = holds
         return {"text": text, "state": state, "finished": None, "stop": None}
 
 

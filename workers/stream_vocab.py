@@ -8,6 +8,7 @@ id against the library's own decode (any disagreement: no table, the window deco
 from __future__ import annotations
 
 import json
+import random
 import re
 from typing import Any
 
@@ -64,3 +65,53 @@ def byte_fallback_ids(raw: Any) -> dict[int, int]:
         if m:
             out[i] = int(m.group(1), 16)
     return out
+
+
+# Decoders whose rendering of a token depends only on whether it is the first one (and, for byte
+# fallback, on the run of byte tokens it belongs to): after any released non-byte token, one fixed
+# anchor token stands in for the whole context.
+_POSITION_ONLY_DECODERS = frozenset({"Sequence", "WordPiece", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip", "ByteLevel"})
+_ANCHOR_TEXTS = ("the", "▁the", "Ġthe", "a", "▁a", "is", "▁is")
+_WORD = re.compile(r"^[▁Ġ]?[A-Za-z]{2,}$")
+
+
+def anchor_token(raw: Any, vocab_size: int, avoid: frozenset[int]) -> tuple[int, int] | None:
+    """(anchor id, length of its decoded text) when the decoder renders a token the same after any
+    non-first token, checked against the library on a sample of the vocabulary; else None."""
+    decoder = json.loads(raw.to_str()).get("decoder")
+    if decoder is None or not _position_only(decoder):
+        return None
+    anchor = next((i for t in _ANCHOR_TEXTS if (i := raw.token_to_id(t)) is not None and i not in avoid), None)
+    if anchor is None:  # any plain word piece will do
+        vocab = raw.get_vocab(with_added_tokens=False)
+        anchor = min((i for t, i in vocab.items() if i not in avoid and _WORD.match(t)), default=None)
+        if anchor is None:
+            return None
+    base = raw.decode([anchor], skip_special_tokens=False)
+    if not base or base.endswith("\ufffd"):
+        return None
+    rng = random.Random(0)
+    ids = [i for i in rng.sample(range(vocab_size), min(vocab_size, 600)) if raw.id_to_token(i) is not None]
+    others = [i for i in ids if i not in avoid][:3]
+    jobs = [[a, t] for t in ids for a in (anchor, *others)] + [[a] for a in others]
+    texts = raw.decode_batch(jobs, skip_special_tokens=False)
+    lens = {a: len(t) for a, t in zip(others, texts[len(ids) * (1 + len(others)):])}
+    lens[anchor] = len(base)
+    k = 0
+    for _ in ids:
+        tails = set()
+        for a in (anchor, *others):
+            tails.add(texts[k][lens[a]:])
+            k += 1
+        if len(tails) != 1:
+            return None
+    return anchor, len(base)
+
+
+def _position_only(decoder: dict) -> bool:
+    kind = decoder.get("type")
+    if kind not in _POSITION_ONLY_DECODERS:
+        return False
+    if kind == "Strip" and decoder.get("stop", 0):  # stripping the end depends on being the last token
+        return False
+    return all(_position_only(d) for d in decoder.get("decoders") or [])
