@@ -550,3 +550,18 @@ def test_the_anchor_is_only_used_for_decoders_that_look_at_position_alone() -> N
     for decoder in (decoders.CTC(), decoders.BPEDecoder(), decoders.Strip(" ", 0, 1)):
         tok.decoder = decoder
         assert anchor_token(tok, tok.get_vocab_size(), frozenset()) is None
+
+
+def test_large_options_are_served_but_never_kept_in_the_decoders_caches() -> None:
+    from tokenbroker.workers import stream_state
+
+    d, tok = decoder("cl100k"), tokenizer("cl100k")
+    ids = tok.encode("plain text, nothing held")
+    for k in range(50):
+        stops = [f"{k}-{j}-" + "z" * 200 for j in range(8)]
+        r = d.run([{"tokens": ids, "stop": stops}])[0]
+        r = d.run([{"tokens": ids, "state": r["state"]}])[0]  # served the general way, still right
+        assert r["text"] == "plain text, nothing held" and len(r["state"]) > 1000
+    assert all(len(s) <= 640 for s in d._known)
+    assert all(len(b) <= stream_state.CACHED_OPTIONS_BYTES for b in stream_state._blobs.values())
+    assert len(d._known) <= 1 << 14 and len(stream_state._options_cache) <= stream_state._OPTIONS_CACHE_MAX

@@ -44,7 +44,8 @@ CONTEXT_IDS = 1
 GROW_IDS = 3
 _RECENT_MAX = 1 << 14  # window states made here and kept parsed (a few hundred bytes each)
 REPLACEMENT = "\ufffd"
-_KNOWN_MAX = 1 << 16  # byte-table states kept, each a few dozen bytes plus its options (shared)
+_KNOWN_MAX = 1 << 14  # byte-table states kept, each a few dozen bytes plus its options
+_KEPT_STATE_BYTES = 640  # states are kept (known, recent) only up to this size: both caches stay within ~40 MiB
 
 
 @dataclass(slots=True)
@@ -262,8 +263,9 @@ class StreamDecoder:
                 self._known.clear()
                 self._by_content.clear()
             state = pack_state(SeqState(options, pending_bytes=pending, held=held), self.key)
-            self._known[state] = key
-            self._by_content[key] = state
+            if len(state) <= _KEPT_STATE_BYTES:  # larger ones (many or long stop strings) go the general way
+                self._known[state] = key
+                self._by_content[key] = state
         return state
 
     def _table_step(self, s: _Step) -> str:
@@ -413,9 +415,10 @@ class StreamDecoder:
         if holds == s.made:  # nothing changed (an anchored context, nothing held): the same state again
             return {"text": text, "state": s.raw_state, "finished": None, "stop": None}
         state = pack_state(st, self.key)
-        if len(self._recent) >= _RECENT_MAX:
-            self._recent.clear()
-        self._recent[state] = holds
+        if len(state) <= _KEPT_STATE_BYTES:
+            if len(self._recent) >= _RECENT_MAX:
+                self._recent.clear()
+            self._recent[state] = holds
         return {"text": text, "state": state, "finished": None, "stop": None}
 
 

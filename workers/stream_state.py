@@ -89,6 +89,9 @@ def _u32(ids: list[int]) -> bytes:
 _HEADER = struct.Struct("<BHHBIII")  # flags, n context, n pending, n pending bytes, held bytes, options bytes, base_len + 1
 _SKIP, _INCLUDE = 1, 2
 _OPTIONS_CACHE_MAX = 4096
+# Options are kept parsed (and states kept by the decoders) only when this small, so every cache of
+# this module and of workers/stream.py stays within a few MiB whatever clients send.
+CACHED_OPTIONS_BYTES = 512
 _options_cache: dict[bytes, Options] = {}
 _plain = {f: Options(skip_special_tokens=bool(f & _SKIP), include_stop_str_in_output=bool(f & _INCLUDE)) for f in range(4)}
 
@@ -126,9 +129,11 @@ def _options_blob(o: Options) -> bytes:
         return b""
     blob = _blobs.get(o)
     if blob is None:
-        if len(_blobs) >= _OPTIONS_CACHE_MAX:
-            _blobs.clear()
-        blob = _blobs[o] = msgpack.packb([list(o.stop), _u32(sorted(o.stop_token_ids))], use_bin_type=True)
+        blob = msgpack.packb([list(o.stop), _u32(sorted(o.stop_token_ids))], use_bin_type=True)
+        if len(blob) <= CACHED_OPTIONS_BYTES:
+            if len(_blobs) >= _OPTIONS_CACHE_MAX:
+                _blobs.clear()
+            _blobs[o] = blob
     return blob
 
 
@@ -182,9 +187,10 @@ def _options(blob: bytes, flags: int, index: int) -> Options:
         stop_token_ids=frozenset(struct.unpack(f"<{len(stop_ids) // 4}I", stop_ids)),
         include_stop_str_in_output=bool(flags & _INCLUDE),
     )
-    if len(_options_cache) >= _OPTIONS_CACHE_MAX:
-        _options_cache.clear()
-    _options_cache[cache_key] = options
+    if len(blob) <= CACHED_OPTIONS_BYTES:
+        if len(_options_cache) >= _OPTIONS_CACHE_MAX:
+            _options_cache.clear()
+        _options_cache[cache_key] = options
     return options
 
 
