@@ -30,9 +30,15 @@ def _gpt2_char_bytes() -> dict[str, int]:
     return out
 
 
+def decoder_spec(raw: Any) -> dict | None:
+    """The tokenizer's decoder as its JSON (the decoder alone: cheap, unlike the whole tokenizer's)."""
+    decoder = raw.decoder
+    return None if decoder is None else json.loads(decoder.__getstate__())
+
+
 def byte_level_table(raw: Any, vocab_size: int) -> list[bytes | None] | None:
     """Each id's bytes when the decoder is plain ByteLevel and the library agrees id by id; else None."""
-    decoder = json.loads(raw.to_str()).get("decoder") or {}
+    decoder = decoder_spec(raw) or {}
     if decoder.get("type") == "Sequence" and len(decoder.get("decoders") or []) == 1:
         decoder = decoder["decoders"][0]
     if decoder.get("type") != "ByteLevel":
@@ -57,7 +63,7 @@ def byte_level_table(raw: Any, vocab_size: int) -> list[bytes | None] | None:
 
 def byte_fallback_ids(raw: Any) -> dict[int, int]:
     """id -> byte for `<0xNN>` tokens when the decoder has ByteFallback, else {}."""
-    if '"ByteFallback"' not in json.dumps(json.loads(raw.to_str()).get("decoder")):
+    if '"ByteFallback"' not in json.dumps(decoder_spec(raw)):
         return {}
     out = {}
     for token, i in raw.get_vocab(with_added_tokens=False).items():
@@ -78,7 +84,7 @@ _WORD = re.compile(r"^[▁Ġ]?[A-Za-z]{2,}$")
 def anchor_token(raw: Any, vocab_size: int, avoid: frozenset[int]) -> tuple[int, int] | None:
     """(anchor id, length of its decoded text) when the decoder renders a token the same after any
     non-first token, checked against the library on a sample of the vocabulary; else None."""
-    decoder = json.loads(raw.to_str()).get("decoder")
+    decoder = decoder_spec(raw)
     if decoder is None or not _position_only(decoder):
         return None
     anchor = next((i for t in _ANCHOR_TEXTS if (i := raw.token_to_id(t)) is not None and i not in avoid), None)
