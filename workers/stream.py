@@ -16,10 +16,13 @@ Two decoders, chosen per tokenizer once:
   token's space, WordPiece joins `##` pieces) render the new ids as they do mid-text. Pending ids
   are held while their text ends in U+FFFD (an unfinished character) or in a byte-fallback group
   (`<0xE6>`...: the whole group renders as U+FFFD if any byte of it is invalid, so a group is only
-  released once a non-byte token closes it). All windows of a request go to one `decode_batch`.
+  released once a non-byte token closes it). For decoders that look at a token's position only, a
+  fixed anchor token stands in for the context once a non-byte token is released, so a plain step
+  leaves the state unchanged. All windows of a request go to one `decode_batch`.
 
 Stop strings are then matched over the released text, holding back the longest tail that could
-still begin one (see `_apply_stops`).
+still begin one (workers/stream_text.py). States this worker made are kept parsed (bounded), so
+the next step skips the MAC and, when nothing changed, returns the same state bytes.
 """
 
 from __future__ import annotations
@@ -59,7 +62,6 @@ class _Step:
     final: bool
     stop_id: int | None = None
     text: str = ""
-    window: bool = False  # waits for the batch decode
     made: tuple | None = None  # what its state held when this worker made it (window states)
     raw_state: bytes | None = None
 
@@ -102,14 +104,7 @@ class StreamDecoder:
         if self.table is not None:
             return [self._table_fast(m) or self._table_slow(i, m) for i, m in enumerate(seqs)]
         steps = [self._read(i, m) for i, m in enumerate(seqs)]
-        windows = []
-        for s in steps:
-            if self.table is not None:
-                s.text = self._table_step(s)
-            else:
-                s.window = self._window_prepare(s)
-                if s.window:
-                    windows.append(s)
+        windows = [s for s in steps if self._window_prepare(s)]
         if windows:
             self._window_finish(windows)
         return [self._reply(s) for s in steps]
