@@ -17,7 +17,6 @@ from tokenbroker.common.errors import BootError, ProtocolError
 
 from .cache import CacheOutcome, TokenCache
 from .chat import ChatRenderer, ChatTemplates, discover_chat_templates, special_tokens_from_config
-from .fingerprint import model_fingerprint
 from .modelmap import TokenizerMap
 from .tokenizers import Tokenizer, load_tokenizer
 
@@ -45,6 +44,8 @@ class Model:
     def fingerprint(self) -> str:
         """The hex SHA-256 of all that can change an id or a prompt (workers/fingerprint.py), computed once."""
         if self._fingerprint is None:
+            from .fingerprint import model_fingerprint  # hashes the whole vocabulary: only when first asked
+
             self._fingerprint = model_fingerprint(self.tokenizer, self.templates)
         return self._fingerprint
 
