@@ -565,3 +565,27 @@ def test_large_options_are_served_but_never_kept_in_the_decoders_caches() -> Non
     assert all(len(s) <= 640 for s in d._known)
     assert all(len(b) <= stream_state.CACHED_OPTIONS_BYTES for b in stream_state._blobs.values())
     assert len(d._known) <= 1 << 14 and len(stream_state._options_cache) <= stream_state._OPTIONS_CACHE_MAX
+
+
+@pytest.mark.parametrize("run", ["invalid", "turns-invalid"])
+def test_a_long_run_of_byte_tokens_that_is_or_turns_invalid_stays_exact(run: str) -> None:
+    """More byte-fallback ids in one run than a state holds, invalid before the bound: exact.
+
+    (Past 64 held ids a run that is still valid is released at a character boundary; only an invalid
+    byte after that, in the same run, would make the text differ from `detokenize`: docs/streaming.md.)
+    """
+    name = "sp-bytefallback"
+    tok = tokenizer(name)
+    byte = {b: tok.raw.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    words = tok.encode("hello world", add_special_tokens=False)
+    if run == "invalid":
+        middle = [byte[0xFF]] * 70
+    else:  # 52 bytes of valid characters, a stray continuation byte, then 20 more valid bytes
+        middle = [byte[b] for b in "日本語🙂".encode() * 4] + [byte[0x97]] + [byte[b] for b in "é".encode()] * 10
+    ids = words + middle + words
+    want = tok.decode(ids)
+    for size in (1, 3):
+        _, running = stream(name, [ids[k:k + size] for k in range(0, len(ids), size)])
+        assert running[-1] == want
+        for r in running:
+            assert want.startswith(r)
