@@ -132,7 +132,7 @@ class StreamDecoder:
         elif type(raw_state) is bytes:
             made = self._recent.get(raw_state)
             if made is not None:  # made here, so verified: skip the MAC and the parse
-                state = SeqState(made[0], list(made[1]), list(made[2]), made[3], made[4], made[5])
+                state = SeqState(*made)
             else:
                 state = unpack_state(raw_state, self.key, i)
                 if state.context or state.pending:
@@ -278,8 +278,10 @@ class StreamDecoder:
 
     def _window_prepare(self, s: _Step) -> bool:
         """Queue the step's ids; True when there is something to decode."""
-        s.state.pending.extend(s.ids)
-        return bool(s.state.pending)
+        st = s.state
+        if s.ids:
+            st.pending = st.pending + s.ids  # a new list: the lists of a kept state are shared, never changed
+        return bool(st.pending)
 
     def _window_finish(self, steps: list[_Step]) -> None:
         jobs, released = [], []
@@ -406,7 +408,7 @@ class StreamDecoder:
             return {"text": text, "state": None, "finished": "final", "stop": None}
         if self.table is not None:
             return {"text": text, "state": self._table_state(opts, st.pending_bytes, st.held), "finished": None, "stop": None}
-        holds = (opts, tuple(st.context), tuple(st.pending), st.pending_bytes, st.held, st.base_len)
+        holds = (opts, st.context, st.pending, st.pending_bytes, st.held, st.base_len)
         if holds == s.made:  # nothing changed (an anchored context, nothing held): the same state again
             return {"text": text, "state": s.raw_state, "finished": None, "stop": None}
         state = pack_state(st, self.key)
