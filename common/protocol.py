@@ -16,7 +16,7 @@ from .errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 
-OPS = frozenset({"tokenize", "detokenize", "chat", "count", "models", "ping"})
+OPS = frozenset({"tokenize", "detokenize", "chat", "count", "models", "ping", "detokenize_stream"})
 TOKENS_FORMATS = frozenset({"list", "u32"})
 
 # --- broker <-> worker (backend) ---------------------------------------------------------

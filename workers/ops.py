@@ -29,6 +29,7 @@ from tokenbroker.common.protocol import (
 
 from .count import count_request
 from .registry import CacheTally, ModelRegistry, WorkerCountEnv
+from .stream import decoder_for
 from .tokenizers import InvalidTokenId
 
 log = logging.getLogger(__name__)
@@ -265,6 +266,12 @@ class Ops:
         }
         reply["cache"] = tally.to_wire()
         return reply
+
+    def op_detokenize_stream(self, p: dict, model_name: str | None, fmt: str) -> dict:
+        """Many sequences' next ids -> text deltas and states (workers/stream.py); touches no cache."""
+        seqs = req(p, "seqs", list)
+        model = self.registry.resolve(model_name)
+        return {"seqs": decoder_for(model.tokenizer, model.fingerprint).run(seqs)}
 
     def op_models(self, p: dict, model_name: str | None, fmt: str) -> dict:
         return {"models": self.registry.describe()}

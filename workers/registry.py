@@ -36,10 +36,20 @@ class Model:
     cache: TokenCache
     templates: ChatTemplates | None
     _renderer: ChatRenderer | None = field(default=None, repr=False)
+    _fingerprint: str | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def fingerprint(self) -> str:
+        """The hex SHA-256 of all that can change an id or a prompt (workers/fingerprint.py), computed once."""
+        if self._fingerprint is None:
+            from .fingerprint import model_fingerprint  # hashes the whole vocabulary: only when first asked
+
+            self._fingerprint = model_fingerprint(self.tokenizer, self.templates)
+        return self._fingerprint
 
     def renderer(self) -> ChatRenderer:
         """The compiled chat template, built on first use and kept."""
@@ -66,6 +76,7 @@ class Model:
             "cached": self.cache.enabled,
             "l1_bypass_reason": self.cache.l1_bypass_reason,
             "source": t.description,
+            "fingerprint": self.fingerprint,
         }
 
 
