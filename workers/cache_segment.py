@@ -136,11 +136,12 @@ class Segmenter:
                 out[-1] += parts[i] + parts[i + 1]
         return out
 
-    def encode_piece(self, text: bytes, left: bytes | None, right: bytes | None) -> list[int] | None:
+    def encode_piece(self, text: bytes, left: bytes | None, right: bytes | None, *, inner: bool = False) -> list[int] | None:
         """Ids of `text` and then the `right` special as they appear in the whole input, where `left` is
         the special before `text` (None at the start, and `right` None at the end); None when a check
-        shows the result would differ."""
-        if self._ordinary is not None:
+        shows the result would differ. `inner`: `text` holds boundaries of its own (several pieces in
+        one call), which the tokenizer splits at as it always does."""
+        if self._ordinary is not None and not inner:
             ids = self._ordinary(text.decode("utf-8"))
             if right is not None:
                 ids.append(self._ids[right])
