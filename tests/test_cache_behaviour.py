@@ -259,6 +259,23 @@ def test_l1_flood_of_tiny_distinct_prefixes_stays_in_budget() -> None:
     assert s["bytes"] <= budget and s["entries"] <= budget // ENTRY_OVERHEAD and s["evictions"] > 0
 
 
+def test_deepseek_conversation_reuses_through_its_user_and_assistant_tokens() -> None:
+    """<｜User｜> and <｜Assistant｜> are non-special added tokens: the next turn reuses everything up to
+    the previous request's generation prompt, not just up to its last end-of-sentence."""
+    tok = deepseek()
+    c = TokenCache(tok, CacheConfig(l1_enabled=True))
+    bos = tok.named_specials["bos_token"]
+    text = f"{bos}You are terse."
+    for turn in range(4):
+        text += f"<｜User｜>question {turn}?<｜Assistant｜>"
+        ids, outcome = c.encode(text)
+        assert ids == tok.encode(text)
+        if turn:
+            assert outcome.l1_reused_tokens == len(tok.encode(previous, add_special_tokens=False))
+        text += f"answer {turn}.{DS_EOS}"
+        previous = text.removesuffix(f"answer {turn}.{DS_EOS}")
+
+
 def test_an_input_with_thousands_of_boundaries_costs_few_tokenizer_calls_and_a_bounded_share() -> None:
     """Cuts are planned before encoding: O(log boundaries) tokenizer calls and copies, and one input
     stores at most a quarter of the budget, however many boundaries it has."""
