@@ -111,12 +111,14 @@ class PrefixStore:
 
 def plan_cuts(n: int, depth: int) -> list[int]:
     """Boundaries after `depth` (of `n`) a lookup cuts at, most worth keeping first: the `DEEPEST`
-    deepest, then 2^k - 1 from the start and n - 1 - 2^k from the end alternately. At most
-    DEEPEST + 2 log2(n) + 2 of them, whatever the input.
+    deepest, then 2^k - 1 from the start and n - 1 - 2^k from the end alternately; all of them when
+    there are no more than 2 x DEEPEST. At most DEEPEST + 2 log2(n) + 2, whatever the input.
 
     >>> plan_cuts(20, -1)
     [19, 18, 17, 16, 0, 1, 3, 15, 7, 11]
     """
+    if n - depth <= 2 * DEEPEST:  # a short tail: every boundary in it
+        return list(range(n - 1, depth, -1))
     picks = list(range(n - 1, max(depth, n - 1 - DEEPEST), -1))
     k = 1
     while k <= n:

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_left
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from .cache_l0 import ID_TYPECODE
@@ -94,6 +95,28 @@ def _identity_normalizer(normalizer: Any) -> bool:
     return state is None or empty(state)
 
 
+def one_pass_suffices(first: list[str], second: list[str]) -> bool:
+    """Whether one leftmost-longest pass over `first` and `second` together finds what matching
+    `first` and then `second` in the gaps finds, on every text. It does unless a `first` token can
+    take text a `second` one would have started first: one inside a `second` token, or one that
+    begins with the end of a `second` token. (A `first` token that starts first wins either way.)
+
+    >>> one_pass_suffices(["<a>", "<b>"], ["<u>", "<v>"])
+    True
+    >>> one_pass_suffices(["bc"], ["ab"])  # "abc": the first pass takes "bc"; one pass would take "ab"
+    False
+    """
+    ordered = sorted(first)
+    for s in second:
+        for k in range(1, len(s)):
+            i = bisect_left(ordered, s[k:])
+            if i < len(ordered) and ordered[i].startswith(s[k:]):
+                return False
+        if any(f in s for f in ordered if len(f) <= len(s)):
+            return False
+    return True
+
+
 def _hf_tokens(tok: Tokenizer) -> _Matched:
     """Added tokens of a tokenizers.Tokenizer by pass; boundaries are those matched on raw text whose
     match depends on nothing after them."""
@@ -147,6 +170,8 @@ class Segmenter:
         # A token with whitespace at its edge could meet an lstrip/rstrip neighbour: never split there.
         self._bounds = {t: i for t, i in matched.bounds.items() if t and t == t.strip()}
         self.notable = [t for t in matched.notable if t in self._bounds]
+        if matched.second and one_pass_suffices(matched.first, matched.second):
+            matched = replace(matched, first=matched.first + matched.second, second=[])
         first = sorted({t.encode("utf-8") for t in matched.first if t})
         second = sorted({t.encode("utf-8") for t in matched.second if t})
         try:
