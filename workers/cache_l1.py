@@ -173,7 +173,8 @@ class L1Cache:
             if total + charge <= self._input_budget:
                 new.append((cut, charge))
                 total += charge
-        items = [(keys[cut - len(ends)], acc[:at[cut]], charge) for cut, charge in sorted(new)]
+        # keys holds the deepest boundaries' keys, every cut's among them: boundary i's is keys[i - n].
+        items = [(keys[cut - n], acc[:at[cut]], charge) for cut, charge in sorted(new)]
         with self._lock:
             if items:
                 self._store.put_many(items)
