@@ -156,31 +156,43 @@ class L1Cache:
         keys, depth, prefix = self._lookup(memoryview(data), ends, add_special_tokens)
         acc = prefix[:] if prefix is not None else array(ID_TYPECODE)
         reused = len(acc)
-        cuts = plan_cuts(n, depth)
-        at: dict[int, int] = {}  # cut boundary -> ids before it, itself included
-        prev = depth
-        for cut in sorted(cuts) + [n]:
-            ids = self._span(data, parts, ends, prev, cut)
+        order = plan_cuts(n, depth)  # most worth keeping first
+        cuts = sorted(order)
+        marks: dict[int, int] = {}  # cut -> ids up to and with it
+        total, prev, seg = 0, depth, self._seg
+        for cut in [*cuts, n]:  # n: the text after the last boundary
+            right = parts[2 * cut + 1] if cut < n else None
+            if cut == prev + 1:  # one piece, as most spans are
+                ids = seg.encode_piece(parts[2 * cut], parts[2 * prev + 1] if prev >= 0 else None, right)
+            else:
+                ids = self._span(data, parts, ends, prev, cut)
             if ids is None:
                 return self._fallback(text, add_special_tokens)
             acc.fromlist(ids)
-            at[cut] = len(acc)
+            if right is not None:
+                marks[cut] = len(acc)
+                total += ends[cut] + 4 * len(acc) + ENTRY_OVERHEAD
             prev = cut
-        # Every charge is known now: choose what to keep before copying anything.
-        new, total = [], 0
-        for cut in cuts:
-            charge = ends[cut] + 4 * at[cut] + ENTRY_OVERHEAD
-            if total + charge <= self._input_budget:
-                new.append((cut, charge))
-                total += charge
-        # keys holds the deepest boundaries' keys, every cut's among them: boundary i's is keys[i - n].
-        items = [(keys[cut - n], acc[:at[cut]], charge) for cut, charge in sorted(new)]
+        # Every charge is known now: choose what to keep, most worth keeping first, before copying
+        # anything. keys holds the deepest boundaries' keys, every cut's among them: i's is keys[i - n].
+        keep = cuts if total <= self._input_budget else self._within_budget(order, marks, ends)
+        items = [(keys[cut - n], acc[:marks[cut]], ends[cut] + 4 * marks[cut] + ENTRY_OVERHEAD) for cut in keep]
         with self._lock:
             if items:
                 self._store.put_many(items)
             self._count(depth >= 0, ends[depth] if depth >= 0 else 0)
         self._seg.finish(acc, add_special_tokens)
         return acc.tolist(), reused, acc
+
+    def _within_budget(self, order: list[int], marks: dict[int, int], ends: list[int]) -> list[int]:
+        """The cuts in `order` that fit one input's share of the budget, taken in that order, ascending."""
+        keep, total = [], 0
+        for cut in order:
+            charge = ends[cut] + 4 * marks[cut] + ENTRY_OVERHEAD
+            if total + charge <= self._input_budget:
+                keep.append(cut)
+                total += charge
+        return sorted(keep)
 
     def _lookup(self, view: memoryview, ends: list[int], flag: bool) -> tuple[list[bytes], int, array | None]:
         """(the keys of the deepest boundaries, at least every one after the hit; the hit's boundary
