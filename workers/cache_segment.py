@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import json
 import re
-from bisect import bisect_left
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
