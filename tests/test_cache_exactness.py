@@ -297,3 +297,25 @@ def test_second_pass_tokens_are_cut_exactly_where_the_tokenizer_splits() -> None
     c.encode("shared start<|turn|>", True)
     ids, outcome = c.encode("shared start<|turn|>  and more", True)
     assert ids == tok.encode("shared start<|turn|>  and more") and outcome.l1_reused_tokens > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cached_ids_equal_uncached_ids_when_spans_hold_many_boundaries(name: str) -> None:
+    """Inputs with dozens of boundaries: L1 cuts at only a few of them (plan_cuts) and encodes the
+    spans between in one call each, boundaries inside included; ids still equal a plain encode."""
+    tok = tokenizer(name)
+    piece = st.one_of(st.sampled_from(spliced_specials(name)), st.sampled_from(spliced_specials(name)),
+                      st.sampled_from(WORDS))
+
+    @settings(max_examples=max(10, EXAMPLES // 3), deadline=None, suppress_health_check=[HealthCheck.too_slow],
+              database=None)
+    @given(pieces=st.lists(piece, min_size=20, max_size=80), cut=st.integers(0, 79))
+    def run(pieces: list[str], cut: int) -> None:
+        c = TokenCache(tok, LAYERS["l1"])
+        head, text = "".join(pieces[:cut]), "".join(pieces)
+        for flag in (False, True):
+            c.encode(head, flag)  # a stored prefix somewhere inside, so lookups hit at various depths
+            assert c.encode(text, flag)[0] == tok.encode(text, add_special_tokens=flag), text
+            assert c.encode(text + "tail", flag)[0] == tok.encode(text + "tail", add_special_tokens=flag)
+
+    run()
