@@ -257,3 +257,43 @@ def test_l1_flood_of_tiny_distinct_prefixes_stays_in_budget() -> None:
         c.encode(f"{i}{EOT}x")
     s = c.stats()["l1"]
     assert s["bytes"] <= budget and s["entries"] <= budget // ENTRY_OVERHEAD and s["evictions"] > 0
+
+
+def test_deepseek_conversation_reuses_through_its_user_and_assistant_tokens() -> None:
+    """<｜User｜> and <｜Assistant｜> are non-special added tokens: the next turn reuses everything up to
+    the previous request's generation prompt, not just up to its last end-of-sentence."""
+    tok = deepseek()
+    c = TokenCache(tok, CacheConfig(l1_enabled=True))
+    bos = tok.named_specials["bos_token"]
+    text = f"{bos}You are terse."
+    for turn in range(4):
+        text += f"<｜User｜>question {turn}?<｜Assistant｜>"
+        ids, outcome = c.encode(text)
+        assert ids == tok.encode(text)
+        if turn:
+            assert outcome.l1_reused_tokens == len(tok.encode(previous, add_special_tokens=False))
+        text += f"answer {turn}.{DS_EOS}"
+        previous = text.removesuffix(f"answer {turn}.{DS_EOS}")
+
+
+def test_an_input_with_thousands_of_boundaries_costs_few_tokenizer_calls_and_a_bounded_share() -> None:
+    """Cuts are planned before encoding: O(log boundaries) tokenizer calls and copies, and one input
+    stores at most a quarter of the budget, however many boundaries it has."""
+    from tokenbroker.workers.cache_l1 import plan_cuts
+
+    budget = 2_000_000  # a quarter holds the deepest prefix (~130 kB charged) a few times over
+    tok = TiktokenTok()
+    c = TokenCache(tok, CacheConfig(l1_enabled=True, l1_max_memory=budget))
+    text = "".join(f"{i}{EOT}" for i in range(5000)) + "tail"
+    tok.calls.clear()
+    ids, outcome = c.encode(text)
+    assert ids == tok.raw.encode(text, allowed_special="all") and outcome.l1_reused_tokens == 0
+    planned = len(plan_cuts(5000, -1))
+    assert len(tok.calls) <= planned + 1
+    s = c.stats()["l1"]
+    assert 0 < s["entries"] <= planned and s["bytes"] <= budget // 4
+    tok.calls.clear()
+    longer = text + f"more{EOT}end"
+    ids, outcome = c.encode(longer)
+    assert ids == tok.raw.encode(longer, allowed_special="all")
+    assert outcome.l1_reused_tokens > 0 and sum(map(len, tok.calls)) < 100  # only what follows the hit

@@ -2,8 +2,9 @@
 
 Tokenizers: DeepSeek's byte-level BPE tokenizer.json, BERT WordPiece, tiktoken's cl100k_base, and
 SentencePiece-style Unigram tokenizers built here with the tokenizers library (Metaspace "first" and
-"always", the legacy Prepend+Replace normalizer), each with a <s> $A </s> template, lstrip and rstrip
-specials and a special whose text contains another.
+"always", the legacy Prepend+Replace normalizer, and "raw": Metaspace "first" with no normalizer, so
+normalized added tokens are boundaries too), each with a <s> $A </s> template, lstrip and rstrip
+specials, a special whose text contains another, and non-special added tokens of both passes.
 """
 
 from __future__ import annotations
@@ -66,8 +67,20 @@ class TiktokenTok:
         return self.raw.encode(text, allowed_special=self._allowed, disallowed_special=())
 
 
+# Non-special added tokens of the "raw" tokenizer: matched after the (identity) normalizer, stripping
+# whitespace, one that only matches as a word, and a raw one that overlaps "<|say|>" and so wins over
+# it (the raw pass runs first).
+RAW_EXTRA = [
+    AddedToken("<|turn|>", special=False, normalized=True, rstrip=True),
+    AddedToken("<|say|>", special=False, normalized=True, lstrip=True),
+    AddedToken("<w2>", special=False, normalized=True, single_word=True),
+    AddedToken("y|>Q", special=False, normalized=False),
+]
+
+
 def build_sentencepiece(scheme: str, *, extra: list[AddedToken] = ()) -> Tokenizer:
-    """A small Unigram tokenizer the way SentencePiece conversions look in tokenizer.json."""
+    """A small Unigram tokenizer the way SentencePiece conversions look in tokenizer.json; scheme
+    "raw" is Metaspace "first" without a normalizer."""
     rng = random.Random(7)
     syl = ["he", "llo", "wor", "ld", "to", "ken", "bro", "ker", "ca", "che", "pre", "fix", "sys", "tè", "me", "na",
            "ïve", "日", "本", "42", "en", "d", "us", "er", "<", "|", ">", "s", "x", "y", "i", "m", "start"]
@@ -77,6 +90,9 @@ def build_sentencepiece(scheme: str, *, extra: list[AddedToken] = ()) -> Tokeniz
     if scheme == "legacy":  # Llama-2 style: no pre-tokenizer, the normalizer prepends and replaces
         tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
         tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    elif scheme == "raw":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     else:
         tok.normalizer = normalizers.NFKC()
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme)
@@ -91,6 +107,8 @@ def build_sentencepiece(scheme: str, *, extra: list[AddedToken] = ()) -> Tokeniz
         *extra,
     ])
     tok.add_tokens([AddedToken("ITEM", normalized=True), AddedToken("x<|im|>y", normalized=False)])
+    if scheme == "raw":
+        tok.add_tokens(RAW_EXTRA)
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", pair="<s> $A </s> $B </s>", special_tokens=[("<s>", bos), ("</s>", eos)])
@@ -116,7 +134,7 @@ def tokenizer(name: str) -> Any:
 
 # Examples per tokenizer and layer set; raise it for a longer hunt (TOKENBROKER_EXACTNESS_EXAMPLES=500).
 EXAMPLES = int(os.environ.get("TOKENBROKER_EXACTNESS_EXAMPLES", "30"))
-NAMES = ["deepseek", "bert", "cl100k", "sp-first", "sp-always", "sp-legacy"]
+NAMES = ["deepseek", "bert", "cl100k", "sp-first", "sp-always", "sp-legacy", "sp-raw"]
 LAYERS = {
     "l0": CacheConfig(l0_enabled=True, l0_max_entries=64),
     "l1": CacheConfig(l1_enabled=True, l1_max_memory=256 * 1024),
@@ -140,6 +158,8 @@ def spliced_specials(name: str) -> list[str]:
         picks += sorted(tok.special_tokens)
     elif name.startswith("sp-"):
         picks += ["<|user|>", "<|end|>", "<|im|>", "<|im|>start", "x<|im|>y", "ITEM", "<|im|", "|im|>"]
+        if name == "sp-raw":
+            picks += [t.content for t in RAW_EXTRA] + ["<|sa", "<|say|>Q", "<|turn|>ITEM"]
     return picks
 
 
@@ -246,3 +266,56 @@ def test_tokenizer_with_truncation_on_bypasses_l1() -> None:
 
     c = TokenCache(Truncating(), LAYERS["l1"])
     assert not c.l1_active and "truncation" in (c.l1_bypass_reason or "")
+
+
+def test_boundaries_are_the_added_tokens_matched_on_raw_text_special_or_not() -> None:
+    from tokenbroker.workers.cache_segment import Segmenter
+
+    raw = Segmenter(tokenizer("sp-raw")).boundaries
+    assert {"<|turn|>", "<|say|>", "ITEM", "y|>Q", "x<|im|>y", "<|im|>", "</s>"} <= raw.keys()
+    assert "<w2>" not in raw  # single_word: whether it matches depends on the text after it
+    normalizing = Segmenter(tokenizer("sp-first")).boundaries
+    assert "x<|im|>y" in normalizing and "ITEM" not in normalizing  # NFKC runs before ITEM is matched
+    deepseek = Segmenter(tokenizer("deepseek")).boundaries  # its normalizer is an empty Sequence
+    assert {"<｜User｜>", "<｜Assistant｜>", "<think>", "<｜end▁of▁sentence｜>"} <= deepseek.keys()
+
+
+def test_second_pass_tokens_are_cut_exactly_where_the_tokenizer_splits() -> None:
+    tok = tokenizer("sp-raw")
+    c = TokenCache(tok, LAYERS["l1"])
+    cases = [
+        ("hello<|turn|>", "   world"),  # rstrip: the spaces after it are eaten
+        ("hello ", "<|say|> there"),  # lstrip: the space before it is eaten
+        ("a <|sa", "y|>Q b"),  # the raw pass takes y|>Q first, so <|say|> never matches
+        ("ITEM<|turn|>", "ITEMS <w2> x<w2>y"),
+        ("<|im|>ITEM", "<|turn|><|say|>"),
+    ]
+    for prefix, rest in cases:
+        for flag in (False, True):
+            for text in (prefix, prefix + rest, prefix + rest + "<|turn|> more"):
+                assert c.encode(text, flag)[0] == tok.encode(text, add_special_tokens=flag), text
+    c.encode("shared start<|turn|>", True)
+    ids, outcome = c.encode("shared start<|turn|>  and more", True)
+    assert ids == tok.encode("shared start<|turn|>  and more") and outcome.l1_reused_tokens > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cached_ids_equal_uncached_ids_when_spans_hold_many_boundaries(name: str) -> None:
+    """Inputs with dozens of boundaries: L1 cuts at only a few of them (plan_cuts) and encodes the
+    spans between in one call each, boundaries inside included; ids still equal a plain encode."""
+    tok = tokenizer(name)
+    piece = st.one_of(st.sampled_from(spliced_specials(name)), st.sampled_from(spliced_specials(name)),
+                      st.sampled_from(WORDS))
+
+    @settings(max_examples=max(10, EXAMPLES // 3), deadline=None, suppress_health_check=[HealthCheck.too_slow],
+              database=None)
+    @given(pieces=st.lists(piece, min_size=20, max_size=80), cut=st.integers(0, 79))
+    def run(pieces: list[str], cut: int) -> None:
+        c = TokenCache(tok, LAYERS["l1"])
+        head, text = "".join(pieces[:cut]), "".join(pieces)
+        for flag in (False, True):
+            c.encode(head, flag)  # a stored prefix somewhere inside, so lookups hit at various depths
+            assert c.encode(text, flag)[0] == tok.encode(text, add_special_tokens=flag), text
+            assert c.encode(text + "tail", flag)[0] == tok.encode(text + "tail", add_special_tokens=flag)
+
+    run()

@@ -1,7 +1,7 @@
-"""A worker's two-level cache in front of one tokenizer: L0 exact inputs, L1 prefixes at special tokens.
+"""A worker's two-level cache in front of one tokenizer: L0 exact inputs, L1 prefixes at added tokens.
 
 Caches only ever save work: every result equals the tokenizer's own, id for id (docs/protocol.md,
-"Token ids"). L1 proves that per tokenizer at load (see cache_l1) and is bypassed, with the reason
+"Token ids"). L1 proves that per tokenizer at load (see cache_segment) and is bypassed, with the reason
 in `l1_bypass_reason`, where it cannot. Decoding is never cached.
 
 >>> ids, outcome = TokenCache(tok, CacheConfig(l0_enabled=True)).encode("hello")  # doctest: +SKIP
@@ -49,7 +49,7 @@ class TokenCache:
                 log.warning("tokenizer %s: L1 cache bypassed: %s", name or "?", self.l1_bypass_reason)
 
     def _start_l1(self, budget: int) -> str | None:
-        """Build L1 if splitting at special tokens is exact for this tokenizer; else say why not."""
+        """Build L1 if splitting at added tokens is exact for this tokenizer; else say why not."""
         try:
             seg = Segmenter(self.tokenizer)
         except NotSplittable as e:

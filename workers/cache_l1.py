@@ -1,7 +1,13 @@
-"""L1: the ids of every prefix that ends right after a special token, so a new turn pays only for itself.
+"""L1: the ids of prefixes that end right after added tokens, so a new turn pays only for itself.
 
 Where inputs are cut, and why that is exact, is workers/cache_segment.py's job; this module keeps
 the prefixes (a byte-budgeted store with sampled LRU eviction) and serves lookups through them.
+
+Bounded by design: a lookup first decides where it may cut (a few boundaries, `plan_cuts`), encodes
+the input once in spans between those cuts, and only then, with every entry's charge known, copies
+the prefixes it keeps, at most a quarter of the budget per input. An input with a boundary every few
+bytes costs its tokenization, one digest per boundary and O(log boundaries) copies, never a copy
+per boundary.
 """
 
 from __future__ import annotations
@@ -24,9 +30,16 @@ EVICTION_SAMPLE = 32
 # object and array header really take about this much, and without it a flood of distinct tiny
 # prefixes could hold many times the budget.
 ENTRY_OVERHEAD = 256
-# Boundaries keyed first, deepest first: a growing conversation adds a few specials per turn, so its
-# previous request's deepest boundary is among them; only on a miss there are the others keyed.
+# Boundaries keyed first, deepest first: a growing conversation adds a few added tokens per turn, so
+# its previous request's deepest boundary is among them; only on a miss there are the others keyed.
 PROBE_FIRST = 8
+# Cuts a lookup makes past its hit, so entries it may store, per input: the deepest few (the next
+# turn of a conversation extends this one), then boundaries at powers of two from the start (shared
+# system prompts sit at the first ones) and back from the end (a conversation that branches off a
+# few turns back).
+DEEPEST = 4
+# One input adds at most this share of the budget: like L0, one input never evicts more than a quarter.
+INPUT_SHARE = 4
 
 
 # --- the store --------------------------------------------------------------------------------------
@@ -96,6 +109,25 @@ class PrefixStore:
 # --- the layer --------------------------------------------------------------------------------------
 
 
+def plan_cuts(n: int, depth: int) -> list[int]:
+    """Boundaries after `depth` (of `n`) a lookup cuts at, most worth keeping first: the `DEEPEST`
+    deepest, then 2^k - 1 from the start and n - 1 - 2^k from the end alternately; all of them when
+    there are no more than 2 x DEEPEST. At most DEEPEST + 2 log2(n) + 2, whatever the input.
+
+    >>> plan_cuts(20, -1)
+    [19, 18, 17, 16, 0, 1, 3, 15, 7, 11]
+    """
+    if n - depth <= 2 * DEEPEST:  # a short tail: every boundary in it
+        return list(range(n - 1, depth, -1))
+    picks = list(range(n - 1, max(depth, n - 1 - DEEPEST), -1))
+    k = 1
+    while k <= n:
+        picks += (k - 1, n - 1 - k)
+        k <<= 1
+    seen = set()
+    return [i for i in picks if depth < i < n and not (i in seen or seen.add(i))]
+
+
 class L1Cache:
     """Prefix lookups and inserts for one tokenizer; `encode` returns (ids, ids reused from L1, and the
     ids as an array nobody else holds, for L0 to keep without converting them again, or None)."""
@@ -104,6 +136,7 @@ class L1Cache:
         self._tok = tok
         self._seg = segmenter
         self._store = PrefixStore(budget)
+        self._input_budget = budget // INPUT_SHARE
         self._lock = threading.Lock()
         self._stats = LayerStats()
         self.fallbacks = 0  # lookups a piece check refused: tokenized whole instead
@@ -119,39 +152,74 @@ class L1Cache:
             with self._lock:
                 self._count(False, 0)
             return self._tok.encode(text, add_special_tokens=add_special_tokens), 0, None
-        view = memoryview(data)
-        lo = max(0, n - PROBE_FIRST)  # ends[j] and keys[j] are boundary lo + j's
-        ends = _ends(parts, len(data), lo)
-        keys = _prefix_keys(view, ends, add_special_tokens)
-        with self._lock:
-            depth, prefix = self._store.deepest(keys)
-        if prefix is not None:
-            depth += lo
-        elif lo:  # rarely: a shallow hit, or a miss, which caches every boundary anyway
-            head = _ends(parts, len(data), 0)[:lo]
-            keys = _prefix_keys(view, head, add_special_tokens) + keys
-            ends, lo = head + ends, 0
-            with self._lock:
-                depth, prefix = self._store.deepest(keys)
+        ends = list(accumulate(map(len, parts)))[1::2]  # byte offset right after each boundary
+        keys, depth, prefix = self._lookup(memoryview(data), ends, add_special_tokens)
         acc = prefix[:] if prefix is not None else array(ID_TYPECODE)
         reused = len(acc)
-        new: list[tuple[bytes, array, int]] = []
-        for i in range(depth + 1, n):
-            ids = self._seg.encode_piece(parts[2 * i], parts[2 * i - 1] if i else None, parts[2 * i + 1])
+        order = plan_cuts(n, depth)  # most worth keeping first
+        cuts = sorted(order)
+        marks: dict[int, int] = {}  # cut -> ids up to and with it
+        total, prev, seg = 0, depth, self._seg
+        for cut in [*cuts, n]:  # n: the text after the last boundary
+            right = parts[2 * cut + 1] if cut < n else None
+            if cut == prev + 1:  # one piece, as most spans are
+                ids = seg.encode_piece(parts[2 * cut], parts[2 * prev + 1] if prev >= 0 else None, right)
+            else:
+                ids = self._span(data, parts, ends, prev, cut)
             if ids is None:
                 return self._fallback(text, add_special_tokens)
             acc.fromlist(ids)
-            new.append((keys[i - lo], acc[:], ends[i - lo] + 4 * len(acc) + ENTRY_OVERHEAD))
-        rest = self._seg.encode_piece(parts[-1], parts[-2], None)
-        if rest is None:
-            return self._fallback(text, add_special_tokens)
+            if right is not None:
+                marks[cut] = len(acc)
+                total += ends[cut] + 4 * len(acc) + ENTRY_OVERHEAD
+            prev = cut
+        # Every charge is known now: choose what to keep, most worth keeping first, before copying
+        # anything. keys holds the deepest boundaries' keys, every cut's among them: i's is keys[i - n].
+        keep = cuts if total <= self._input_budget else self._within_budget(order, marks, ends)
+        items = [(keys[cut - n], acc[:marks[cut]], ends[cut] + 4 * marks[cut] + ENTRY_OVERHEAD) for cut in keep]
         with self._lock:
-            if new:
-                self._store.put_many(new)
-            self._count(depth >= 0, ends[depth - lo] if depth >= 0 else 0)
-        acc.fromlist(rest)
+            if items:
+                self._store.put_many(items)
+            self._count(depth >= 0, ends[depth] if depth >= 0 else 0)
         self._seg.finish(acc, add_special_tokens)
         return acc.tolist(), reused, acc
+
+    def _within_budget(self, order: list[int], marks: dict[int, int], ends: list[int]) -> list[int]:
+        """The cuts in `order` that fit one input's share of the budget, taken in that order, ascending."""
+        keep, total = [], 0
+        for cut in order:
+            charge = ends[cut] + 4 * marks[cut] + ENTRY_OVERHEAD
+            if total + charge <= self._input_budget:
+                keep.append(cut)
+                total += charge
+        return sorted(keep)
+
+    def _lookup(self, view: memoryview, ends: list[int], flag: bool) -> tuple[list[bytes], int, array | None]:
+        """(the keys of the deepest boundaries, at least every one after the hit; the hit's boundary
+        or -1; its ids or None). The deepest few are keyed and looked up first; the rest only if
+        none of them is stored."""
+        n = len(ends)
+        lo = max(0, n - PROBE_FIRST)
+        keys = _prefix_keys(view, ends[lo:], flag)
+        with self._lock:
+            depth, prefix = self._store.deepest(keys)
+        if prefix is not None or not lo:
+            return keys, depth + lo if prefix is not None else -1, prefix
+        head = _prefix_keys(view, ends[:lo], flag)
+        with self._lock:
+            depth, prefix = self._store.deepest(head)
+        return head + keys, depth, prefix
+
+    def _span(self, data: bytes, parts: list[bytes], ends: list[int], a: int, b: int) -> list[int] | None:
+        """Ids of the text after boundary `a` (-1: the start) up to and with boundary `b` (len(ends): the end)."""
+        n = len(ends)
+        left = parts[2 * a + 1] if a >= 0 else None
+        right = parts[2 * b + 1] if b < n else None
+        if b == a + 1:
+            return self._seg.encode_piece(parts[2 * b], left, right)
+        start = ends[a] if a >= 0 else 0
+        stop = ends[b] - len(right) if right is not None else len(data)
+        return self._seg.encode_piece(data[start:stop], left, right, inner=True)
 
     def _fallback(self, text: str, add_special_tokens: bool) -> tuple[list[int], int, None]:
         with self._lock:
@@ -172,13 +240,6 @@ class L1Cache:
             self._stats.bytes = self._store.bytes
             self._stats.evictions = self._store.evictions
             return self._stats.as_dict()
-
-
-def _ends(parts: list[bytes], size: int, lo: int) -> list[int]:
-    """Byte offsets right after boundaries lo..n-1 of split `parts` of `size` bytes, counted from the
-    end: a lookup that needs only the deepest few boundaries touches only the parts after them."""
-    tail = parts[2 * lo + 1:]
-    return list(accumulate(map(len, tail), initial=size - sum(map(len, tail))))[1::2]
 
 
 def _prefix_keys(view: memoryview, ends: list[int], add_special_tokens: bool) -> list[bytes]:

@@ -1,25 +1,34 @@
-"""Where L1 cuts an input: right after special tokens, exactly where the tokenizer itself splits.
+"""Where L1 cuts an input: right after added tokens, exactly where the tokenizer itself splits.
 
 Why splitting there is exact, and how it is kept exact:
-- Both tokenizer kinds cut their input at special-token matches before anything else runs (Hugging
-  Face: non-normalized added tokens, matched leftmost-longest on the raw text; tiktoken: its special
-  regex), then normalize, pre-tokenize and tokenize each piece on its own. `Segmenter.split`
-  finds those same matches (a trie regex over the same token set is leftmost-longest too).
-- A piece is encoded with the special token before it as left context and that token's id dropped,
-  so whatever depends on what precedes a piece (Metaspace prepend_scheme "first", an rstrip special
-  eating the whitespace after it, single_word) sees what the whole input would show it. Each result
-  is checked: the context id must come first and a piece must end with its boundary's id; otherwise
-  the lookup falls back to tokenizing the whole input.
+- Both tokenizer kinds cut their input at added-token matches before anything else runs, then
+  pre-tokenize and tokenize each piece on its own. Hugging Face does it in two passes: tokens with
+  `normalized=False` (special or not) are matched leftmost-longest on the raw text; the pieces
+  between are normalized and tokens with `normalized=True` matched in each. Where the normalizer is
+  the identity (none, or an empty Sequence: DeepSeek's `<｜User｜>` and `<｜Assistant｜>` are such),
+  the second pass matches raw text too, so both are boundaries; otherwise only the first pass's.
+  tiktoken cuts at its special regex. `Segmenter.split` finds those same matches (a trie regex over
+  the same tokens is leftmost-longest too, run in the same two passes).
+- A piece is encoded with the token before it as left context and that token's id dropped, so
+  whatever depends on what precedes a piece (Metaspace prepend_scheme "first", an rstrip token
+  eating the whitespace after it) sees what the whole input would show it. Each result is checked:
+  the context id must come first and a piece must end with its boundary's id; otherwise the lookup
+  falls back to tokenizing the whole input. Tokens whose match depends on the text after them
+  (single_word) or that have whitespace at an edge are never boundaries.
 - Post-processing (BOS/EOS templates) adds ids around the whole sequence once: pieces are encoded
   without it and the head and tail learnt at load are added once at the end.
-- At load, probe inputs built from the tokenizer's own specials compare the split result with a plain
-  encode for both flag values; any difference bypasses L1 for that tokenizer, with the reason.
+- At load, probe inputs built from the tokenizer's own boundary tokens (named specials, non-special
+  and second-pass ones, tokens nested in others) compare the split result with a plain encode for
+  both flag values; any difference bypasses L1 for that tokenizer, with the reason.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from array import array
+from bisect import bisect_left
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from .cache_l0 import ID_TYPECODE
@@ -37,7 +46,7 @@ class Tokenizer(Protocol):
 
 
 class NotSplittable(Exception):
-    """This tokenizer cannot be split at special tokens exactly; the message says why."""
+    """This tokenizer cannot be split at added tokens exactly; the message says why."""
 
 
 def trie_regex(words: list[bytes]) -> re.Pattern[bytes]:
@@ -60,21 +69,77 @@ def trie_regex(words: list[bytes]) -> re.Pattern[bytes]:
     return re.compile(emit(trie) if trie else b"(?!)")
 
 
-def _hf_tokens(tok: Tokenizer) -> tuple[list[str], dict[str, int]]:
-    """(texts the first split pass matches, boundary specials -> id) for a tokenizers.Tokenizer."""
+@dataclass(frozen=True)
+class _Matched:
+    """What a tokenizer's first split matches: literal tokens per pass, and which of them are boundaries."""
+
+    first: list[str]  # matched leftmost-longest on the raw input
+    second: list[str]  # matched the same way in each piece the first pass leaves (raw text, as normalizing is the identity)
+    bounds: dict[str, int]  # tokens L1 may cut after -> id
+    notable: list[str]  # boundaries worth probing first: non-special, second-pass, or stripping whitespace
+
+
+def _identity_normalizer(normalizer: Any) -> bool:
+    """No normalizer, or Sequences of nothing: the normalized text is the raw text, byte for byte."""
+    if normalizer is None:
+        return True
+    try:
+        state = json.loads(normalizer.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+    def empty(node: Any) -> bool:
+        return (isinstance(node, dict) and node.get("type") == "Sequence"
+                and all(empty(child) for child in node.get("normalizers", ())))
+
+    return state is None or empty(state)
+
+
+def one_pass_suffices(first: list[str], second: list[str]) -> bool:
+    """Whether one leftmost-longest pass over `first` and `second` together finds what matching
+    `first` and then `second` in the gaps finds, on every text. It does unless a `first` token can
+    take text a `second` one would have started first: one inside a `second` token, or one that
+    begins with the end of a `second` token. (A `first` token that starts first wins either way.)
+
+    >>> one_pass_suffices(["<a>", "<b>"], ["<u>", "<v>"])
+    True
+    >>> one_pass_suffices(["bc"], ["ab"])  # "abc": the first pass takes "bc"; one pass would take "ab"
+    False
+    """
+    ordered = sorted(first)
+    for s in second:
+        for k in range(1, len(s)):
+            i = bisect_left(ordered, s[k:])
+            if i < len(ordered) and ordered[i].startswith(s[k:]):
+                return False
+        if any(f in s for f in ordered if len(f) <= len(s)):
+            return False
+    return True
+
+
+def _hf_tokens(tok: Tokenizer) -> _Matched:
+    """Added tokens of a tokenizers.Tokenizer by pass; boundaries are those matched on raw text whose
+    match depends on nothing after them."""
     raw = tok.raw
     if getattr(raw, "truncation", None) is not None or getattr(raw, "padding", None) is not None:
         raise NotSplittable("truncation or padding is on")
     if getattr(raw, "encode_special_tokens", False):
         raise NotSplittable("encode_special_tokens is on: special tokens are not split out")
     added = raw.get_added_tokens_decoder()
-    first_pass = [a.content for a in added.values() if not a.normalized]
-    bounds = {a.content: i for i, a in added.items()
-              if not a.normalized and tok.special_tokens.get(a.content) == i}
-    return first_pass, bounds
+    raw_second = _identity_normalizer(raw.normalizer)
+    first = [a.content for a in added.values() if not a.normalized]
+    second = [a.content for a in added.values() if a.normalized] if raw_second else []
+    bounds, notable = {}, []
+    for i, a in added.items():
+        if (a.normalized and not raw_second) or a.single_word:
+            continue
+        bounds[a.content] = i
+        if not a.special or a.normalized or a.lstrip or a.rstrip:
+            notable.append(a.content)
+    return _Matched(first, second, bounds, notable)
 
 
-def _tiktoken_tokens(tok: Tokenizer) -> tuple[list[str], dict[str, int]]:
+def _tiktoken_tokens(tok: Tokenizer) -> _Matched:
     raw_specials = set(getattr(tok.raw, "special_tokens_set", ()))
     allowed = {t: i for t, i in tok.special_tokens.items() if t in raw_specials}
     everything = sorted(raw_specials | set(tok.special_tokens))
@@ -82,50 +147,62 @@ def _tiktoken_tokens(tok: Tokenizer) -> tuple[list[str], dict[str, int]]:
     for t in everything:  # tiktoken's special regex is an alternation in hash order: ambiguous if nested
         if joined.count(t) > 1:
             raise NotSplittable(f"special token {t!r} occurs inside another special token")
-    return list(allowed), allowed
+    return _Matched(list(allowed), [], allowed, [])
 
 
 class Segmenter:
-    """Cuts an input around its special-token boundaries and encodes the pieces between them exactly.
+    """Cuts an input around its boundaries (added tokens L1 may cut after) and encodes the text between.
 
-    An input is handled as `parts`, what `split` returns: [text, special, text, ..., special, text],
-    bytes, boundary specials at the odd indices, so boundary i is `parts[2i + 1]`, the text before it
-    `parts[2i]` and the special before that `parts[2i - 1]`. Plain lists of bytes built by one C-level
+    An input is handled as `parts`, what `split` returns: [text, token, text, ..., token, text],
+    bytes, boundary tokens at the odd indices, so boundary i is `parts[2i + 1]`, the text before it
+    `parts[2i]` and the token before that `parts[2i - 1]`. Plain lists of bytes built by C-level
     `re.split`: no Python object per boundary, which on a fast tokenizer costs more than encoding.
     """
 
     def __init__(self, tok: Tokenizer) -> None:
         self._tok = tok
         if tok.kind == "huggingface":
-            matched, specials = _hf_tokens(tok)
+            matched = _hf_tokens(tok)
         elif tok.kind == "tiktoken":
-            matched, specials = _tiktoken_tokens(tok)
+            matched = _tiktoken_tokens(tok)
         else:
             raise NotSplittable(f"unknown tokenizer kind {tok.kind!r}")
-        # A special with whitespace at its edge could meet an lstrip/rstrip neighbour: never split there.
-        self._specials = {t: i for t, i in specials.items() if t and t == t.strip()}
-        matched_bytes = sorted({t.encode("utf-8") for t in matched if t})
+        # A token with whitespace at its edge could meet an lstrip/rstrip neighbour: never split there.
+        self._bounds = {t: i for t, i in matched.bounds.items() if t and t == t.strip()}
+        self.notable = [t for t in matched.notable if t in self._bounds]
+        if matched.second and one_pass_suffices(matched.first, matched.second):
+            matched = replace(matched, first=matched.first + matched.second, second=[])
+        first = sorted({t.encode("utf-8") for t in matched.first if t})
+        second = sorted({t.encode("utf-8") for t in matched.second if t})
         try:
-            self._splitter = re.compile(b"(" + trie_regex(matched_bytes).pattern + b")")
+            self._first = re.compile(b"(" + trie_regex(first).pattern + b")")
+            self._second = re.compile(b"(" + trie_regex(second).pattern + b")") if second else None
         except (RecursionError, OverflowError, re.error) as e:
-            raise NotSplittable(f"cannot build a matcher for {len(matched)} added tokens: {e}") from e
-        self._ids = {t.encode("utf-8"): i for t, i in self._specials.items()}
-        # Some matches may not be boundaries (non-special added tokens, specials with edge whitespace):
-        # those are glued back into the text around them.
-        self._every_match_bounds = set(matched_bytes) <= self._ids.keys()
+            raise NotSplittable(f"cannot build a matcher for {len(first) + len(second)} added tokens: {e}") from e
+        self._ids = {t.encode("utf-8"): i for t, i in self._bounds.items()}
+        # Some matches may not be boundaries (single_word tokens, tokens with edge whitespace): those
+        # are glued back into the text around them.
+        self._every_match_bounds = self._ids.keys() >= set(first) | set(second)
         # tiktoken encodes the text between specials on its own: when every special it knows is a
         # boundary, a piece is that text's ordinary encoding plus the special's id (no per-call set).
         ordinary = getattr(tok.raw, "encode_ordinary", None)
-        self._ordinary = ordinary if tok.kind == "tiktoken" and len(self._specials) == len(matched) else None
+        self._ordinary = ordinary if tok.kind == "tiktoken" and len(self._bounds) == len(first) else None
         self.head, self.tail = _learn_template(tok)
 
     @property
-    def specials(self) -> dict[str, int]:
-        return self._specials
+    def boundaries(self) -> dict[str, int]:
+        """Boundary token text -> id."""
+        return self._bounds
 
     def split(self, data: bytes) -> list[bytes]:
-        """`data` as [text, special, ..., special, text]: boundary specials at odd indices, nothing lost."""
-        parts = self._splitter.split(data)
+        """`data` as [text, token, ..., token, text]: boundary tokens at odd indices, nothing lost."""
+        parts = self._first.split(data)
+        second = self._second
+        if second is not None:  # the second pass, inside each text the first one leaves
+            if len(parts) == 1:
+                parts = second.split(data)
+            elif second.search(data):
+                parts = [q for i, p in enumerate(parts) for q in ((p,) if i & 1 else second.split(p))]
         if self._every_match_bounds or len(parts) == 1 or self._ids.keys() >= set(parts[1::2]):
             return parts
         out = [parts[0]]
@@ -136,11 +213,12 @@ class Segmenter:
                 out[-1] += parts[i] + parts[i + 1]
         return out
 
-    def encode_piece(self, text: bytes, left: bytes | None, right: bytes | None) -> list[int] | None:
-        """Ids of `text` and then the `right` special as they appear in the whole input, where `left` is
-        the special before `text` (None at the start, and `right` None at the end); None when a check
-        shows the result would differ."""
-        if self._ordinary is not None:
+    def encode_piece(self, text: bytes, left: bytes | None, right: bytes | None, *, inner: bool = False) -> list[int] | None:
+        """Ids of `text` and then the `right` token as they appear in the whole input, where `left` is
+        the token before `text` (None at the start, and `right` None at the end); None when a check
+        shows the result would differ. `inner`: `text` holds boundaries of its own (several pieces in
+        one call), which the tokenizer splits at as it always does."""
+        if self._ordinary is not None and not inner:
             ids = self._ordinary(text.decode("utf-8"))
             if right is not None:
                 ids.append(self._ids[right])
@@ -205,14 +283,14 @@ _FILLERS = ("", "a", "hello", " hello", "hello ", "  ", "\n", " \n\t", "Hi there
 
 
 def probe_texts(seg: Segmenter, named: dict[str, str], added: list[str]) -> list[str]:
-    """Inputs where a careless split at special tokens goes wrong: edges, whitespace, neighbours, nesting."""
-    specials = sorted(seg.specials)
+    """Inputs where a careless split at added tokens goes wrong: edges, whitespace, neighbours, nesting."""
+    bounds = sorted(seg.boundaries)
     joined = "\0".join(added)
-    inner = [s for s in specials if joined.count(s) > 1]  # inside another added token
+    inner = [s for s in bounds if joined.count(s) > 1]  # inside another added token
     outer = [a for a in added if any(s != a and s in a for s in inner[:16])][:16]
-    picked = [t for t in named.values() if t in seg.specials] + inner[:8]
-    picked += specials[:: max(1, len(specials) // 8)][:8]
-    picked = list(dict.fromkeys(picked))[:16]
+    picked = [t for t in named.values() if t in seg.boundaries] + inner[:8] + seg.notable[:8]
+    picked += bounds[:: max(1, len(bounds) // 8)][:8]
+    picked = list(dict.fromkeys(picked))[:24]
     texts = []
     for o in outer:
         texts += [o, f"x{o}y", o[:-1], o[1:], f"{o} {o}", f"{o[:-1]} {o}"]
@@ -232,5 +310,5 @@ def check_exact(seg: Segmenter, tok: Tokenizer) -> str | None:
         for flag in (False, True):
             got = seg.encode_split(text, flag)
             if got is not None and got != tok.encode(text, add_special_tokens=flag):
-                return f"splitting at special tokens changes the ids of {text!r} (add_special_tokens={flag})"
+                return f"splitting at added tokens changes the ids of {text!r} (add_special_tokens={flag})"
     return None
