@@ -101,8 +101,10 @@ class _RateLimitedLog:
 class Backend:
     """Wraps the ROUTER socket workers connect to, and the table of workers."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    def __init__(self, sock: zmq.Socket, models: tuple[str, ...] = ()) -> None:
         self.sock = sock
+        self.models = models  # what every worker must serve
+        self.expected: dict[str, tuple[str, str]] = {}  # model -> (fingerprint, the worker that set it)
         self.workers: dict[bytes, WorkerState] = {}
         self.next_beat = 0.0
         self.dropped = 0  # malformed frames dropped since start
@@ -175,6 +177,12 @@ class Backend:
         if ready.version != PROTOCOL_VERSION:
             return self._drop("ready", "worker %s speaks protocol %d, this broker %d: refused",
                               ready.name, ready.version, PROTOCOL_VERSION)
+        refusal = self._admission(ready)
+        if refusal is not None:
+            log.error("refused worker %s (pid %d on %s): %s", ready.name, ready.pid, ready.host, refusal)
+            return []
+        for model in self.models:
+            self.expected.setdefault(model, (ready.fingerprints[model], ready.name))
         events: list[object] = []
         for other in list(self.workers.values()):
             if other.wid != wid and other.name == ready.name:
@@ -188,6 +196,23 @@ class Backend:
             events.append(Left(wid, "reconnected", worker))
         events.append(Joined(state))
         return events
+
+    def _admission(self, ready: Ready) -> str | None:
+        """Why a worker may not join (a model missing, or loaded differently), or None.
+
+        Every model this broker serves must be there with the fingerprint of the first worker
+        admitted for it: a worker started with another tokenizer file or template would
+        silently give other ids.
+        """
+        for model in self.models:
+            got = ready.fingerprints.get(model)
+            if got is None:
+                return f"it does not serve model {model!r} (it serves {', '.join(sorted(ready.fingerprints)) or 'none'})"
+            want = self.expected.get(model)
+            if want is not None and want[0] != got:
+                return (f"model {model!r} has fingerprint {got}, this broker expects {want[0]} "
+                        f"(from worker {want[1]}): start it with the same model flags")
+        return None
 
     def send_jobs(self, wid: bytes, jobs: list[tuple[int, int, bytes]]) -> None:
         """Send (job id, budget ms, payload) to `wid`, at most MAX_BATCH_JOBS and BATCH_BYTES a message."""

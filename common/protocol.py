@@ -7,7 +7,7 @@ functions; `from_wire()`-style parsers validate and name the offending field.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -292,6 +292,7 @@ class Ready:
     host: str
     models: list[str]
     incarnation: str = ""  # random per worker process: a reconnect of the same process keeps it
+    fingerprints: dict[str, str] = field(default_factory=dict)  # model name -> its fingerprint (admission)
 
     def to_wire(self) -> bytes:
         return pack(self.__dict__)
@@ -303,7 +304,7 @@ class Ready:
         if not isinstance(d, dict):
             raise ValueError(f"READY must be a map, got {type_name(d)}")
 
-        def field(name: str, kind: type, check=lambda v: True, why: str = "") -> Any:
+        def field(name: str, kind: type, check: Any = lambda v: True, why: str = "") -> Any:
             value = d.get(name)
             if not _is(value, kind) or not check(value):
                 raise ValueError(f"READY field {name!r} must be {_TYPE_NAMES[kind]}{why}, got {value!r:.80}")
@@ -321,4 +322,7 @@ class Ready:
             models=list(models),
             incarnation=field("incarnation", str, lambda v: len(v) <= 64, " of at most 64 characters")
             if d.get("incarnation") is not None else "",
+            fingerprints=dict(field("fingerprints", dict, lambda v: len(v) <= 4096 and all(
+                isinstance(k, str) and isinstance(x, str) and len(x) <= 128 for k, x in v.items()),
+                " of model names to fingerprints")) if d.get("fingerprints") is not None else {},
         )

@@ -69,6 +69,7 @@ class BrokerProcess:
     endpoint: str = ""
     metrics: str = ""
     lines: list[str] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)  # its standard error, line by line
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:
@@ -106,7 +107,7 @@ def start_broker(*args: str, workers: int = 1, timeout: float = 120.0, expect_re
                 got.set()
 
     threading.Thread(target=read_stdout, daemon=True).start()
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    threading.Thread(target=lambda: broker.log.extend(proc.stderr), daemon=True).start()
     deadline = time.monotonic() + timeout
     while not got.wait(0.1):
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -20,7 +20,7 @@ def ready(name: str, **over) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def tcp_broker():
     port = free_port()
     broker = start_broker("--backend", f"tcp://127.0.0.1:{port}", workers=1)
@@ -61,7 +61,9 @@ def test_malformed_backend_frame_leaves_the_broker_serving(tcp_broker, frames: l
         assert c.call("tokenize", text="before")["ok"]
         sock.send_multipart(frames)
         if frames[0] == W_RESULTS:  # also from a peer the broker knows: a READY first, then the bad frame
-            sock.send_multipart([W_READY, ready("known-rogue")])
+            # (without CURVE, a peer that knows the model's fingerprint, which is no secret, is admitted)
+            fingerprints = {m["name"]: m["fingerprint"] for m in c.call("models")["models"]}
+            sock.send_multipart([W_READY, ready("known-rogue", fingerprints=fingerprints)])
             wait_until(lambda: c.call("ping")["workers"] == 2, what="the rogue admitted")
             sock.send_multipart(frames)
         for i in range(5):
@@ -72,6 +74,30 @@ def test_malformed_backend_frame_leaves_the_broker_serving(tcp_broker, frames: l
     finally:
         sock.close()
         c.close()
+
+
+def test_a_worker_with_another_fingerprint_is_refused_with_both_named() -> None:
+    """Admission: a remote worker started with another tokenizer than the broker's first worker."""
+    port = free_port()
+    broker = start_broker("--backend", f"tcp://127.0.0.1:{port}", "--served-model-name", "m", workers=1)
+    lines = broker.log
+    worker = subprocess.Popen([sys.executable, "-m", "tokenbroker", "worker", "--connect", f"tcp://127.0.0.1:{port}",
+                               "--name", "other-flags", "--model-path", "cl100k_base", "--served-model-name", "m"],
+                              stderr=subprocess.DEVNULL)
+    c = Conn(broker.endpoint)
+    try:
+        want = c.call("models")["models"][0]["fingerprint"]
+        wait_until(lambda: any("refused worker other-flags" in line for line in lines), timeout=60,
+                   what="the refusal in the broker's log")
+        line = next(line for line in lines if "refused worker other-flags" in line)
+        assert "model 'm' has fingerprint" in line and want in line and "start it with the same model flags" in line
+        assert c.call("ping")["workers"] == 1
+        assert {c.call("tokenize", text=f"t{i}", affinity=str(i))["worker"] for i in range(20)} != {"other-flags"}
+    finally:
+        worker.kill()
+        worker.wait()
+        c.close()
+        broker.stop()
 
 
 def test_a_peer_cannot_take_over_a_connected_workers_name(tcp_broker) -> None:

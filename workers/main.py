@@ -237,6 +237,7 @@ def serve(config: WorkerConfig) -> int:
         host=socket.gethostname(),
         models=[m.name for m in registry.models],
         incarnation=uuid.uuid4().hex,
+        fingerprints={m.name: m.fingerprint for m in registry.models},
     )
     ctx = zmq.Context()
     worker = Worker(ctx, config, ready, Ops(registry, name), registry)

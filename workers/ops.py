@@ -270,6 +270,7 @@ class Ops:
     def op_detokenize_stream(self, p: dict, model_name: str | None, fmt: str) -> dict:
         """Many sequences' next ids -> text deltas and states (workers/stream.py); touches no cache."""
         seqs = req(p, "seqs", list)
+        self._batch_items(seqs, "seqs")
         model = self.registry.resolve(model_name)
         return {"seqs": decoder_for(model.tokenizer, model.fingerprint).run(seqs)}
 
