@@ -101,9 +101,8 @@ class _RateLimitedLog:
 class Backend:
     """Wraps the ROUTER socket workers connect to, and the table of workers."""
 
-    def __init__(self, sock: zmq.Socket, models: tuple[str, ...] = ()) -> None:
+    def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
-        self.models = models  # what every worker must serve
         self.expected: dict[str, tuple[str, str]] = {}  # model -> (fingerprint, the worker that set it)
         self.workers: dict[bytes, WorkerState] = {}
         self.next_beat = 0.0
@@ -181,8 +180,8 @@ class Backend:
         if refusal is not None:
             log.error("refused worker %s (pid %d on %s): %s", ready.name, ready.pid, ready.host, refusal)
             return []
-        for model in self.models:
-            self.expected.setdefault(model, (ready.fingerprints[model], ready.name))
+        for model, fingerprint in ready.fingerprints.items():
+            self.expected.setdefault(model, (fingerprint, ready.name))
         events: list[object] = []
         for other in list(self.workers.values()):
             if other.wid != wid and other.name == ready.name:
@@ -198,16 +197,13 @@ class Backend:
         return events
 
     def _admission(self, ready: Ready) -> str | None:
-        """Why a worker may not join (a model missing, or loaded differently), or None.
+        """Why a worker may not join (a model loaded differently from the pool's), or None.
 
-        Every model this broker serves must be there with the fingerprint of the first worker
-        admitted for it: a worker started with another tokenizer file or template would
-        silently give other ids.
+        Every model the worker serves must have the fingerprint of the first worker admitted for
+        it (this broker loads no tokenizer itself): a worker started with another tokenizer file
+        or template would silently give other ids.
         """
-        for model in self.models:
-            got = ready.fingerprints.get(model)
-            if got is None:
-                return f"it does not serve model {model!r} (it serves {', '.join(sorted(ready.fingerprints)) or 'none'})"
+        for model, got in sorted(ready.fingerprints.items()):
             want = self.expected.get(model)
             if want is not None and want[0] != got:
                 return (f"model {model!r} has fingerprint {got}, this broker expects {want[0]} "

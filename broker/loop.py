@@ -107,7 +107,17 @@ class Broker:
     # --- the loop ----------------------------------------------------------------------
 
     def run(self) -> None:
+        """Serve until a stop signal; should the loop itself ever fail, answer every held request first."""
         self.poller.register(self.frontend.sock, zmq.POLLIN)
+        try:
+            self._serve()
+        except Exception:
+            log.exception("the broker loop failed: answering every held request 'internal' before stopping")
+            self._fail_all("internal", "the broker failed while holding this request (it is logged); retry")
+            raise
+        self._fail_all("overloaded", "the broker is shutting down; retry on another broker")
+
+    def _serve(self) -> None:
         while True:
             now = time.monotonic()
             events = dict(self.poller.poll(self._timeout_ms(now)))
@@ -121,8 +131,7 @@ class Broker:
                 self._on_frontend(now)
             self.tick(now)
             if self.stopping_since is not None and (not self.jobs or now - self.stopping_since > SHUTDOWN_GRACE_S):
-                break
-        self._fail_all("overloaded", "the broker is shutting down; retry on another broker")
+                return
 
     def _timeout_ms(self, now: float) -> int:
         """Until the next timer that can change something: a heartbeat, a deadline or a spill."""

@@ -75,7 +75,7 @@ def serve(config: BrokerConfig) -> int:
                             worker_argv=[*model_argv(config.models), "--capacity", str(config.worker_capacity),
                                          *security.local_worker_argv(backend_endpoint)])
     broker = Broker(config, Frontend(frontend_sock, max_request_bytes=config.max_request_bytes),
-                    Backend(backend_sock, tuple(m.name for m in config.models.models)), supervisor, metrics, wakeup)
+                    Backend(backend_sock), supervisor, metrics, wakeup)
     broker.on_hangup = security.reload
     code = 0
     try:

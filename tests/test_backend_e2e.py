@@ -100,9 +100,10 @@ def test_a_worker_with_another_fingerprint_is_refused_with_both_named() -> None:
         broker.stop()
 
 
-def test_a_peer_cannot_take_over_a_connected_workers_name(tcp_broker) -> None:
-    broker, backend = tcp_broker
-    port = backend.rsplit(":", 1)[1]
+def test_a_peer_cannot_take_over_a_connected_workers_name() -> None:
+    port = free_port()
+    backend = f"tcp://127.0.0.1:{port}"
+    broker = start_broker("--backend", backend, workers=1)
     worker = subprocess.Popen([sys.executable, "-m", "tokenbroker", "worker", "--connect", backend, "--name", "victim"],
                               stderr=subprocess.DEVNULL)
     c = Conn(broker.endpoint)
@@ -120,3 +121,4 @@ def test_a_peer_cannot_take_over_a_connected_workers_name(tcp_broker) -> None:
         worker.wait()
         sock.close()
         c.close()
+        broker.stop()
