@@ -315,8 +315,17 @@ def _count_key(model: bytes, raw: bytes, span: "tuple[int, int] | None") -> Rout
 # --- helpers -----------------------------------------------------------------------------
 
 
+_SEEDS: dict[tuple[bytes, bytes], bytes] = {}
+
+
 def _seed(kind: bytes, model: bytes) -> bytes:
-    return b"tb1\x00" + kind + b"\x00" + _LENGTH.pack(len(model)) + model
+    """The hash seed of a key kind and model, built once per pair (models are few; past 4096 not kept)."""
+    seed = _SEEDS.get((kind, model))
+    if seed is None:
+        seed = b"tb1\x00" + kind + b"\x00" + _LENGTH.pack(len(model)) + model
+        if len(_SEEDS) < 4096:
+            _SEEDS[(kind, model)] = seed
+    return seed
 
 
 def _fallback(kind: bytes, model: bytes) -> RouteKey:
