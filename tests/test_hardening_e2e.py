@@ -208,3 +208,28 @@ def test_a_client_connected_during_boot_costs_the_broker_nothing() -> None:
     finally:
         c.close()
         broker.stop()
+
+
+def test_answered_requests_leave_no_deadline_behind() -> None:
+    """Row 7: a far deadline's timer entry goes with its answered request, not when it expires."""
+    broker = start_broker(workers=1)
+    c = Conn(broker.endpoint)
+    payloads = {far: [msgpack.packb({"id": i, "op": "tokenize", "text": "x", "deadline_ms": 2**31 - 1 if far else 30000},
+                                    use_bin_type=True) for i in range(1000)] for far in (False, True)}
+
+    def run(far: bool, rounds: int) -> None:
+        for _ in range(rounds):
+            for p in payloads[far]:
+                c.send_raw(b"", p)
+            for _ in range(1000):
+                c.recv()
+
+    try:
+        run(False, 40)  # warm up: the allocator's arenas reach their working size
+        before = rss(broker.proc.pid)
+        run(True, 40)  # 40,000 answered requests whose deadlines are 24.8 days away
+        grown = rss(broker.proc.pid) - before
+        assert grown < 2 * 1024 * 1024, f"the broker grew {grown / 2**20:.1f} MiB"  # ~135 B a request before the fix
+    finally:
+        c.close()
+        broker.stop()
