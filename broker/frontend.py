@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import msgpack
 import zmq
 
-from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import MAX_DEADLINE_MS, NIL, OPS, TOKENS_FORMATS, Envelope, error_reply, type_name
 
 # Fields whose value a routing key reads (as raw MessagePack bytes), by op.

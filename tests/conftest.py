@@ -157,6 +157,20 @@ class Conn:
         self.sock.close(linger=0)
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used, from /proc: tests bound work by it, never by wall time."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss(pid: int) -> int:
+    """A process's resident memory in bytes, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
     with socket.socket() as s:

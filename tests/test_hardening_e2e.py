@@ -7,27 +7,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import msgpack
 
-from conftest import Conn, free_port, scrape, start_broker, wait_until
+from conftest import Conn, cpu_seconds, free_port, rss, scrape, start_broker, wait_until
 from tokenbroker.broker.supervisor import Exit
 from tokenbroker.common.protocol import logged_id
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def code(reply: dict) -> str | None:

@@ -6,19 +6,11 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import msgpack
 import pytest
 
-from conftest import BERT_DIR, FIXTURES, QWEN_TIKTOKEN, Conn, deepseek_tokenizer_json, start_broker
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+from conftest import BERT_DIR, FIXTURES, QWEN_TIKTOKEN, Conn, cpu_seconds, deepseek_tokenizer_json, start_broker
 
 
 def without_worker(reply: dict) -> dict:
