@@ -286,9 +286,9 @@ class Broker:
         if lost or why not in ("leaving", "left"):
             log.warning("worker %s is gone (%s) holding %d jobs", state.name, why, len(lost))
         for job in sorted(lost, key=lambda j: j.job_id, reverse=True):
-            if job.answered:
-                continue
-            if job.attempts >= 2:
+            if job.answered:  # its deadline passed while that worker held it: nothing more to do
+                self._release(job)
+            elif job.attempts >= 2:
                 self._release(job)
                 self._fail(job, "worker_failed", "two workers died while holding this request", now)
             else:

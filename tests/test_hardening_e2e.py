@@ -218,3 +218,21 @@ def test_answered_requests_leave_no_deadline_behind() -> None:
     finally:
         c.close()
         broker.stop()
+
+
+def test_a_timed_out_job_is_let_go_when_its_worker_dies() -> None:
+    """Row 15: a job answered `timeout` while a worker held it is released when that worker goes."""
+    broker = start_broker("--metrics-port", str(free_port()), workers=1)
+    c = Conn(broker.endpoint)
+    try:
+        c.send({"id": "slow", "op": "tokenize", "text": "word " * 3_000_000, "deadline_ms": 200, "tokens_format": "u32"})
+        assert code(c.recv()) == "timeout"
+        held = ("tokenbroker_requests_held", frozenset())
+        assert scrape(broker.metrics)[held] == 1  # still at the worker, which is busy with it
+        os.kill(broker.worker_pids()[0], signal.SIGKILL)
+        wait_until(lambda: scrape(broker.metrics)[held] == 0, what="the timed-out job let go")
+        wait_until(lambda: c.call("ping")["workers"] == 1, what="the worker replaced")
+        assert c.call("tokenize", text="next")["ok"]
+    finally:
+        c.close()
+        broker.stop()
