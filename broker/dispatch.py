@@ -18,6 +18,9 @@ bytes), so a busy pool pays the hop once per batch, not per job. A worker is ful
 jobs, or at `worker_bytes` payload bytes once it holds one job: a huge request blocks the queue of
 its own worker only, and small ones go elsewhere meanwhile.
 
+A job that names a model goes only to the workers holding it (broker/models.py); one that finds
+them all full waits without holding up the jobs behind it.
+
 `next_timer(now)` says when waiting could change something: only when a worker has room and the
 head waits for its spill time. With no room anywhere the broker sleeps until a worker answers.
 """
@@ -30,9 +33,11 @@ from dataclasses import dataclass, field
 from tokenbroker.common.protocol import Envelope
 
 from .affinity import RouteKey
+from .models import ModelIndex
 from .router import Router
 
 AFFINITY_LOOKAHEAD = 64  # queued jobs offered to their preferred worker before strict order
+PASSED_OVER_MAX = 1024  # queued jobs a turn may step past because their model's workers are full
 
 
 @dataclass(slots=True, eq=False)
@@ -51,6 +56,7 @@ class Job:
     attempts: int = 0
     worker: bytes | None = None  # the worker holding it, while one does
     answered: bool = False
+    model: str | None = None  # the served model it names (None: any worker's default will do)
 
 
 @dataclass(slots=True)
@@ -71,6 +77,7 @@ class Dispatcher:
         self.worker_bytes = worker_bytes
         self.lookahead = lookahead
         self.workers: dict[bytes, Slots] = {}
+        self.models = ModelIndex()
         self.pending: deque[Job] = deque()
         self.waiting = 0  # queued jobs still unanswered
         self._stale = 0  # answered jobs still in `pending`, dropped in batches
@@ -78,9 +85,12 @@ class Dispatcher:
 
     # --- workers -------------------------------------------------------------------------
 
-    def add_worker(self, wid: bytes, capacity: int) -> None:
+    def add_worker(self, wid: bytes, capacity: int, *, names: list[str] = (), globs: list[str] = ()) -> None:  # type: ignore[assignment]
+        """A worker joined with `capacity` slots, answering to model `names` and `globs` (no names: any model)."""
         self.workers[wid] = Slots(capacity)
         self.router.add_worker(wid, capacity)
+        if names or globs:
+            self.models.add_worker(wid, list(names), list(globs))
         self._free += capacity
 
     def drain_worker(self, wid: bytes) -> None:
@@ -96,6 +106,7 @@ class Dispatcher:
         slots = self.workers.pop(wid, None)
         if slots is None:
             return []
+        self.models.remove_worker(wid)
         if not slots.draining:
             self._free -= self._room(slots)
             self.router.remove_worker(wid)
@@ -165,14 +176,15 @@ class Dispatcher:
             if job.answered:
                 self._stale -= 1
                 continue
-            wid = self.router.pick(job.route, overflow=False, record=False)
+            wid = self.router.pick(job.route, overflow=False, record=False, allowed=self.models.eligible(job.model))
             if wid is None:
                 kept.append(job)
             else:
                 self._place(job, wid, out)
         pending.extendleft(reversed(kept))
         spill_before = now - self.spill_wait
-        while pending and self._free > 0:
+        passed: list[Job] = []  # jobs whose model's workers are all full: the rest may go past them
+        while pending and self._free > 0 and len(passed) < PASSED_OVER_MAX:
             job = pending[0]
             if job.answered:
                 pending.popleft()
@@ -180,19 +192,30 @@ class Dispatcher:
                 continue
             if job.route is not None and job.queued > spill_before:
                 break  # it may still wait for its preferred worker (and the queue is in arrival order)
-            wid = self.router.pick(job.route, record=False)
+            allowed = self.models.eligible(job.model)
+            wid = self.router.pick(job.route, record=False, allowed=allowed)
             if wid is None:
-                break
+                if allowed is None:
+                    break
+                passed.append(pending.popleft())
+                continue
             pending.popleft()
             self._place(job, wid, out)
+        pending.extendleft(reversed(passed))
         return list(out.items())
 
     def next_timer(self, now: float) -> float | None:
-        """When the queue's head may spill to a free slot; None when only an answer can help."""
+        """When a queued job may next spill to a free slot; None when only an answer can help.
+
+        Called after `assign(now)`: a job past its spill time that is still queued waits for its
+        model's workers (or every worker) to answer, not for a timer.
+        """
         if self._free <= 0 or not self.waiting:
             return None
-        for job in self.pending:
-            if not job.answered:
+        for i, job in enumerate(self.pending):
+            if i >= PASSED_OVER_MAX + self.lookahead:
+                break
+            if not job.answered and job.queued + self.spill_wait > now:
                 return job.queued + self.spill_wait
         return None
 

@@ -36,6 +36,7 @@ FRONTEND_BATCH = 512  # messages read per turn, so the backend is never starved
 FRONTEND_BATCH_BYTES = 64 * 1024 * 1024  # and payload bytes read per turn
 PUBLISH_EVERY_S = 0.1  # the exporter's view of the pool is at most this old
 SHUTDOWN_GRACE_S = 10.0
+MODEL_OPS = frozenset({"tokenize", "detokenize", "chat", "detokenize_stream"})  # `model` names a served model
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 WAKE_SIGNALS = (*STOP_SIGNALS, signal.SIGCHLD, signal.SIGHUP)  # SIGHUP: re-read the CURVE key folders
 
@@ -182,7 +183,8 @@ class Broker:
             timeout_ms = peek.deadline_ms or self.config.request_timeout_ms
             route = route_key(peek) if self.config.routing == "affinity" else None
             job = Job(self.next_id, envelope, peek.raw_id, peek.raw, peek.op, route,
-                      received=now, deadline=now + timeout_ms / 1000, queued=now)
+                      received=now, deadline=now + timeout_ms / 1000, queued=now,
+                      model=peek.model if peek.op in MODEL_OPS else None)
             self.next_id += 1
             self.jobs[job.job_id] = job
             self.held_bytes += len(job.raw)
@@ -248,7 +250,7 @@ class Broker:
                 elif isinstance(event, Joined):
                     w = event.worker
                     log.info("worker %s joined (pid %d on %s, capacity %d)", w.name, w.ready.pid, w.ready.host, w.ready.capacity)
-                    self.dispatcher.add_worker(w.wid, w.ready.capacity)
+                    self.dispatcher.add_worker(w.wid, w.ready.capacity, names=w.ready.names, globs=w.ready.maps)
                     self.metrics.worker_joined(w.name)
                 elif isinstance(event, Left):
                     self._worker_gone(event.wid, event.why, now, event.state)

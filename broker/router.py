@@ -119,15 +119,18 @@ class Router:
 
     # --- the policy ------------------------------------------------------------------------
 
-    def pick(self, key: RouteKey | None, *, overflow: bool = True, record: bool = True) -> bytes | None:
+    def pick(self, key: RouteKey | None, *, overflow: bool = True, record: bool = True,
+             allowed: frozenset[bytes] | None = None) -> bytes | None:
         """A worker with a free slot for this request, counted in flight; None when all are full.
 
         With `overflow=False`, also None when the key's preferred worker is full but within the
         load bound (the job would rather wait for it); an overloaded one is still spilled from.
         With `record=False` the index learns nothing now: the caller calls `record()` once the
         worker has tokenized the input (so requests a worker rejects never fill the index).
+        `allowed`: only these workers may take it (the ones holding its model); None: any.
         """
-        free = [w for w in self._workers.values() if w.in_flight < w.capacity and not w.blocked]
+        free = [w for w in self._workers.values() if w.in_flight < w.capacity and not w.blocked
+                and (allowed is None or w.wid in allowed)]
         if not free:
             self._stats["full"] += 1
             return None
@@ -135,7 +138,7 @@ class Router:
             chosen = min(free, key=lambda w: (w.in_flight, w.wid))
             self._stats["unkeyed"] += 1
         else:
-            found = self._choose(key, free, overflow)
+            found = self._choose(key, free, overflow, allowed)
             if found is None:
                 return None
             chosen = found
@@ -181,9 +184,13 @@ class Router:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _choose(self, key: RouteKey, free: list[_Worker], overflow: bool) -> _Worker | None:
+    def _choose(self, key: RouteKey, free: list[_Worker], overflow: bool,
+                allowed: frozenset[bytes] | None = None) -> _Worker | None:
         hit = self._lookup(key)
-        home = hit or self._rendezvous(key.key, self._workers.values())
+        if allowed is not None and hit is not None and hit.wid not in allowed:
+            hit = None
+        candidates = self._workers.values() if allowed is None else [w for w in self._workers.values() if w.wid in allowed]
+        home = hit or self._rendezvous(key.key, candidates)
         within = home.in_flight + 1 <= self.bound()
         if within and home.in_flight < home.capacity and not home.blocked:
             self._stats["affinity_hits" if hit else "rendezvous"] += 1

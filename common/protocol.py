@@ -6,6 +6,7 @@ functions; `from_wire()`-style parsers validate and name the offending field.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -293,6 +294,8 @@ class Ready:
     models: list[str]
     incarnation: str = ""  # random per worker process: a reconnect of the same process keeps it
     fingerprints: dict[str, str] = field(default_factory=dict)  # model name -> its fingerprint (admission)
+    names: list[str] = field(default_factory=list)  # every model name and alias it answers to (routing)
+    maps: list[str] = field(default_factory=list)  # its --tokenizer-map globs (only `*`, anchored)
 
     def to_wire(self) -> bytes:
         return pack(self.__dict__)
@@ -325,4 +328,26 @@ class Ready:
             fingerprints=dict(field("fingerprints", dict, lambda v: len(v) <= 4096 and all(
                 isinstance(k, str) and isinstance(x, str) and len(x) <= 128 for k, x in v.items()),
                 " of model names to fingerprints")) if d.get("fingerprints") is not None else {},
+            names=_names(d, "names"),
+            maps=_names(d, "maps"),
         )
+
+
+def _names(d: dict, name: str) -> list[str]:
+    """An optional READY list of model names or globs, checked (ValueError naming the field)."""
+    value = d.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > 4096 or not all(isinstance(v, str) and 0 < len(v) <= 1024 for v in value):
+        raise ValueError(f"READY field {name!r} must be a list of at most 4096 non-empty str, got {value!r:.80}")
+    return list(value)
+
+
+def glob_pattern(glob: str) -> "re.Pattern[str]":
+    """`--tokenizer-map` glob semantics, shared by the worker (which resolves names) and the broker
+    (which routes by them): anchored, `*` matches any run of characters, nothing else is special.
+
+    >>> bool(glob_pattern("gpt-4o*").fullmatch("gpt-4o-mini")), bool(glob_pattern("gpt-4o*").fullmatch("xgpt-4o"))
+    (True, False)
+    """
+    return re.compile(".*".join(re.escape(part) for part in glob.split("*")), re.DOTALL)

@@ -122,3 +122,28 @@ def test_a_peer_cannot_take_over_a_connected_workers_name() -> None:
         sock.close()
         c.close()
         broker.stop()
+
+
+def test_each_model_goes_only_to_the_workers_that_hold_it() -> None:
+    """A pool of a local DeepSeek worker and a remote worker holding only BERT: no request for one
+    model reaches the other's worker, so none is answered unknown_model."""
+    from conftest import BERT_DIR
+
+    port = free_port()
+    broker = start_broker("--backend", f"tcp://127.0.0.1:{port}", "--served-model-name", "deepseek", workers=1)
+    worker = subprocess.Popen([sys.executable, "-m", "tokenbroker", "worker", "--connect", f"tcp://127.0.0.1:{port}",
+                               "--name", "bert-only", "--model", f"bert={BERT_DIR}"], stderr=subprocess.DEVNULL)
+    c = Conn(broker.endpoint)
+    try:
+        wait_until(lambda: c.call("ping")["workers"] == 2, timeout=60, what="the remote worker")
+        for i in range(40):
+            c.send({"id": i, "op": "tokenize", "model": "bert" if i % 2 else "deepseek", "text": f"text {i}"})
+        replies = [c.recv() for _ in range(40)]
+        assert all(r["ok"] for r in replies), [r["error"] for r in replies if not r["ok"]]
+        for r in replies:
+            assert (r["worker"] == "bert-only") == (r["id"] % 2 == 1), r
+    finally:
+        worker.kill()
+        worker.wait()
+        c.close()
+        broker.stop()

@@ -198,3 +198,31 @@ def test_in_flight_counts_stay_in_step_with_the_slots(seed: int, capacities: lis
         assert not queued & held and not (queued | held) & answered
         assert queued | held | answered == {j.job_id for j in all_jobs}
         assert d.waiting == len(queued)
+
+
+def test_a_job_goes_only_to_the_workers_holding_its_model_and_does_not_hold_up_others():
+    d = dispatcher((W1, 1), (W2, 4))
+    d.models.add_worker(W1, ["bert"], [])
+    d.models.add_worker(W2, ["deepseek", "default"], ["gpt-*"])
+    bert = [job(f"b{i}") for i in range(3)]
+    for j in bert:
+        j.model = "bert"
+    other = [job(f"d{i}") for i in range(3)]
+    other[0].model, other[1].model = "deepseek", "gpt-4o"
+    for j in (*bert, *other):
+        d.enqueue(j)
+    placed_now = placed(d.assign(now=1.0))
+    assert placed_now[W1] == [bert[0].job_id]  # one slot: the other bert jobs wait for it...
+    assert sorted(placed_now[W2]) == sorted(j.job_id for j in other)  # ...without holding these up
+    assert d.next_timer(now=1.0) is None  # only W1's answer can help them: no timer, no spin
+    d.finish(W1, bert[0].job_id)
+    assert placed(d.assign(now=1.1)) == {W1: [bert[1].job_id]}
+
+
+def test_a_model_no_worker_holds_goes_anywhere_and_the_worker_says_so():
+    d = dispatcher((W1, 4))
+    d.models.add_worker(W1, ["bert"], [])
+    j = job("x")
+    j.model = "nope"
+    d.enqueue(j)
+    assert placed(d.assign(0.0)) == {W1: [j.job_id]}

@@ -238,6 +238,8 @@ def serve(config: WorkerConfig) -> int:
         models=[m.name for m in registry.models],
         incarnation=uuid.uuid4().hex,
         fingerprints={m.name: m.fingerprint for m in registry.models},
+        names=[n for m in registry.models for n in (m.name, *m.spec.aliases)],
+        maps=[glob for glob, _ in config.models.tokenizer_map],
     )
     ctx = zmq.Context()
     worker = Worker(ctx, config, ready, Ops(registry, name), registry)

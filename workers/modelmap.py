@@ -15,6 +15,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenbroker.common.protocol import glob_pattern
+
 
 @dataclass(frozen=True)
 class _Rule:
@@ -28,9 +30,7 @@ class _Rule:
         return (-len(self.glob.replace("*", "")), self.glob)
 
 
-def _compile(glob: str) -> re.Pattern[str]:
-    """An anchored pattern where `*` matches any run of characters (also none) and nothing else is special."""
-    return re.compile(".*".join(re.escape(part) for part in glob.split("*")), re.DOTALL)
+_compile = glob_pattern  # the broker routes by the same semantics (common/protocol.py)
 
 
 class TokenizerMap:
