@@ -152,6 +152,12 @@ class Dispatcher:
             self._set_room(wid, slots, before)
         return job
 
+    def clear(self) -> None:
+        """Forget the queue (the broker has answered every job in it)."""
+        self.pending.clear()
+        self.waiting = 0
+        self._stale = 0
+
     def expired(self, job: Job) -> None:
         """A queued job was answered (its deadline passed): it leaves the queue's count now."""
         self.waiting -= 1

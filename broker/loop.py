@@ -363,8 +363,7 @@ class Broker:
         self.jobs.clear()
         self.per_client.clear()
         self.held_bytes = 0
-        self.dispatcher.pending.clear()
-        self.dispatcher.waiting = 0
+        self.dispatcher.clear()
 
 
 def install_signal_wakeup() -> tuple[socket.socket, Callable[[], None]]:

@@ -313,8 +313,6 @@ class Ready:
                 raise ValueError(f"READY field {name!r} must be {_TYPE_NAMES[kind]}{why}, got {value!r:.80}")
             return value
 
-        models = field("models", list, lambda v: len(v) <= 4096 and all(isinstance(m, str) and 0 < len(m) <= 1024 for m in v),
-                       " of at most 4096 names")
         return cls(
             version=field("version", int),
             capacity=field("capacity", int, lambda v: 1 <= v <= MAX_CAPACITY, f" in 1..{MAX_CAPACITY}"),
@@ -322,7 +320,7 @@ class Ready:
                        f" of 1..{MAX_NAME_CHARS} printable characters"),
             pid=field("pid", int, lambda v: 0 <= v < 2**63),
             host=field("host", str, lambda v: len(v) <= 255 and v.isprintable(), " of at most 255 printable characters"),
-            models=list(models),
+            models=_names(d, "models", required=True),
             incarnation=field("incarnation", str, lambda v: len(v) <= 64, " of at most 64 characters")
             if d.get("incarnation") is not None else "",
             fingerprints=dict(field("fingerprints", dict, lambda v: len(v) <= 4096 and all(
@@ -333,10 +331,10 @@ class Ready:
         )
 
 
-def _names(d: dict, name: str) -> list[str]:
-    """An optional READY list of model names or globs, checked (ValueError naming the field)."""
+def _names(d: dict, name: str, *, required: bool = False) -> list[str]:
+    """A READY list of model names or globs, checked (ValueError naming the field)."""
     value = d.get(name)
-    if value is None:
+    if value is None and not required:
         return []
     if not isinstance(value, list) or len(value) > 4096 or not all(isinstance(v, str) and 0 < len(v) <= 1024 for v in value):
         raise ValueError(f"READY field {name!r} must be a list of at most 4096 non-empty str, got {value!r:.80}")

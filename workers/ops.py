@@ -87,7 +87,7 @@ class Ops:
         releases the GIL); the rest are served one by one. Replies equal what `handle` gives.
         """
         out: list[tuple[int, str, bytes] | None] = [None] * len(jobs)
-        groups: dict[tuple[int, bool], list[tuple[int, Request]]] = {}
+        groups: dict[tuple[int, bool], tuple[Any, list[tuple[int, Request]]]] = {}
         for i, job in enumerate(jobs):
             if job.budget_ms and (time.monotonic() - job.received) * 1000 > job.budget_ms:
                 out[i] = (job.job_id, SKIPPED, b"")  # the broker answers `timeout` (now or already)
@@ -99,14 +99,13 @@ class Ops:
                 continue
             model = self._plain_tokenize_model(request)
             if model is None:
-                self.deadline = job.received + job.budget_ms / 1000 if job.budget_ms else float("inf")
-                reply, outcome = self.serve(request, job.payload)
+                reply, outcome = self.serve(request, deadline=job.received + job.budget_ms / 1000 if job.budget_ms else None)
                 out[i] = (job.job_id, outcome, reply)
             else:
-                add_special = request.payload.get("add_special_tokens")
-                groups.setdefault((id(model), add_special is not False), []).append((i, request))
-        for (_, add_special), members in groups.items():
-            self._encode_group(jobs, members, add_special, out)
+                add_special = request.payload.get("add_special_tokens") is not False
+                groups.setdefault((id(model), add_special), (model, []))[1].append((i, request))
+        for (_, add_special), (model, members) in groups.items():
+            self._encode_group(model, jobs, members, add_special, out)
         return out  # type: ignore[return-value]
 
     def _plain_tokenize_model(self, request: Request) -> Any:
@@ -120,17 +119,16 @@ class Ops:
             return None
         return None if model.cache.enabled else model
 
-    def _encode_group(self, jobs: list[PendingJob], members: list[tuple[int, Request]], add_special: bool,
-                      out: list) -> None:
-        model = self.registry.resolve(members[0][1].model)
+    def _encode_group(self, model: Any, jobs: list[PendingJob], members: list[tuple[int, Request]],
+                      add_special: bool, out: list) -> None:
         try:
             all_ids = model.tokenizer.encode_many([r.payload["text"] for _, r in members], add_special_tokens=add_special)
         except Exception:  # one text the batch call refuses: serve each alone, so only it fails
             for i, request in members:
-                reply, outcome = self.serve(request, jobs[i].payload)
+                reply, outcome = self.serve(request)
                 out[i] = (jobs[i].job_id, outcome, reply)
             return
-        off = {"l0": "off", "l1_reused_tokens": 0}
+        off = CacheTally(self.registry.l0_enabled).to_wire()  # a cache-less model: nothing looked up
         for (i, request), ids in zip(members, all_ids):
             fields = {"tokens": _tokens_out(ids, request.tokens_format), "count": len(ids), "cache": off,
                       "worker": self.worker_name}
@@ -159,10 +157,12 @@ class Ops:
             request = parse_request(data)
         except ProtocolError as e:
             return error_reply(raw_id(data), e.code, e.message), e.code
-        return self.serve(request, data)
+        return self.serve(request)
 
-    def serve(self, request: Request, data: bytes) -> tuple[bytes, str]:
-        """Serve one parsed request (`data` is its payload, for the id): (the reply bytes, outcome)."""
+    def serve(self, request: Request, *, deadline: float | None = None) -> tuple[bytes, str]:
+        """Serve one parsed request: (the reply bytes, outcome). A batch inside it stops once
+        `deadline` (time.monotonic()) has passed."""
+        self.deadline = float("inf") if deadline is None else deadline
         request_id = request.raw_id
         try:
             method = getattr(self, f"op_{request.op}", None)
