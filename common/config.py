@@ -27,6 +27,7 @@ class ModelSpec:
     aliases: tuple[str, ...] = ()
     tokenizer_path: str | None = None  # overrides where the tokenizer itself is loaded from
     chat_template: str | None = None  # a template file that wins over the model's own
+    chat_template_text: str | None = None  # a template's text (add_model), winning over both
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ModelConfig:
     tokenizer_map: tuple[tuple[str, str], ...] = ()  # (glob, model name)
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: Limits = field(default_factory=Limits)
+    max_models: int = 0  # --max-models-per-worker: 0 loads every model at start; N loads the default, the rest on demand
 
     @property
     def default(self) -> ModelSpec:
@@ -170,6 +172,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     c.add_argument("--tokenizer-cache-l0-max-bytes", type=_positive_int, default=CacheConfig.l0_max_bytes)
     c.add_argument("--tokenizer-cache-enable-l1", action="store_true")
     c.add_argument("--tokenizer-cache-l1-max-memory", type=_positive_int, default=CacheConfig.l1_max_memory)
+    g.add_argument("--max-models-per-worker", type=_non_negative_int, default=0, metavar="N",
+                   help="a worker holds at most N tokenizers, loaded on demand (0: every worker loads every model)")
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-batch-items", type=_positive_int, default=Limits.max_batch_items,
                      help="texts (or id sequences) one batch request may hold; more is answered too_large")
@@ -212,7 +216,8 @@ def model_config_from_args(a: argparse.Namespace) -> ModelConfig:
         l1_max_memory=a.tokenizer_cache_l1_max_memory,
     )
     limits = Limits(max_batch_items=a.max_batch_items, max_reply_bytes=a.max_reply_bytes)
-    return ModelConfig(models=models, tokenizer_map=tuple(a.tokenizer_map), cache=cache, limits=limits)
+    return ModelConfig(models=models, tokenizer_map=tuple(a.tokenizer_map), cache=cache, limits=limits,
+                       max_models=a.max_models_per_worker)
 
 
 def _aliases(name: str, served: list[str]) -> tuple[str, ...]:
@@ -248,6 +253,7 @@ def model_argv(m: ModelConfig) -> list[str]:
         "--tokenizer-cache-l1-max-memory", str(c.l1_max_memory),
         "--max-batch-items", str(m.limits.max_batch_items),
         "--max-reply-bytes", str(m.limits.max_reply_bytes),
+        "--max-models-per-worker", str(m.max_models),
     ]
     return argv
 

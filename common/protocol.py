@@ -17,7 +17,9 @@ from .errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 
-OPS = frozenset({"tokenize", "detokenize", "chat", "count", "models", "ping", "detokenize_stream"})
+OPS = frozenset({"tokenize", "detokenize", "chat", "count", "models", "ping", "detokenize_stream",
+                 "add_model", "remove_model"})
+ADMIN_OPS = frozenset({"add_model", "remove_model"})  # allowed as docs/protocol.md "The model catalog" says
 TOKENS_FORMATS = frozenset({"list", "u32"})
 
 # --- broker <-> worker (backend) ---------------------------------------------------------
@@ -32,6 +34,11 @@ W_BYE = b"B"  # [B]: the worker leaves on purpose (SIGTERM); it finishes what it
 B_JOBS = b"J"  # [J, JOB * n, client payload * n]
 B_HEARTBEAT = b"h"  # [h]
 B_RESET = b"r"  # [r]: "I do not know you" (the broker forgot a silent worker): say READY again
+# The model catalog (1.1): the broker decides which worker holds which model; a worker loads in
+# the background (never on the thread that serves jobs) and says how it went.
+B_LOAD = b"l"  # [l, msgpack(LoadSpec)]: load this model, then send LOADED
+B_UNLOAD = b"u"  # [u, model name as UTF-8]: let this model go (the broker sends it no more of its jobs)
+W_LOADED = b"L"  # [L, msgpack(Loaded)]: a load finished, or failed
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_LIVENESS = 5  # a worker silent for interval * liveness is gone
@@ -296,6 +303,7 @@ class Ready:
     fingerprints: dict[str, str] = field(default_factory=dict)  # model name -> its fingerprint (admission)
     names: list[str] = field(default_factory=list)  # every model name and alias it answers to (routing)
     maps: list[str] = field(default_factory=list)  # its --tokenizer-map globs (only `*`, anchored)
+    infos: dict[str, dict] = field(default_factory=dict)  # model name -> ModelInfo.to_wire() of each loaded model
 
     def to_wire(self) -> bytes:
         return pack(self.__dict__)
@@ -328,7 +336,17 @@ class Ready:
                 " of model names to fingerprints")) if d.get("fingerprints") is not None else {},
             names=_names(d, "names"),
             maps=_names(d, "maps"),
+            infos=_infos(d.get("infos")),
         )
+
+
+def _infos(value: Any) -> dict[str, dict]:
+    """READY's `infos`: model name -> a checked ModelInfo map (ValueError naming the field)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > 4096 or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"READY field 'infos' must be a map of model names to maps, got {value!r:.80}")
+    return {name: ModelInfo.from_wire(info).to_wire() for name, info in value.items()}
 
 
 def _names(d: dict, name: str, *, required: bool = False) -> list[str]:
@@ -349,3 +367,139 @@ def glob_pattern(glob: str) -> "re.Pattern[str]":
     (True, False)
     """
     return re.compile(".*".join(re.escape(part) for part in glob.split("*")), re.DOTALL)
+
+
+# --- the model catalog (1.1) -------------------------------------------------------------
+
+MAX_SPECIAL_TOKENS = 1 << 16  # special tokens a worker may list for one model
+MAX_TEXT_FIELD = 1 << 20  # a chat template's text, an error message, at most
+
+
+def _checked_str(d: dict, name: str, what: str, *, limit: int = 1024, optional: bool = False) -> Any:
+    value = d.get(name)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or len(value) > limit:
+        raise ValueError(f"{what} field {name!r} must be str of at most {limit} characters, got {value!r:.80}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a worker tells of a loaded model, for the catalog's `models` reply (the broker never
+    loads a tokenizer). Untrusted: `from_wire` checks every field."""
+
+    kind: str
+    vocab_size: int
+    special_tokens: list[str]
+    chat_template: bool
+    cached: bool
+    source: str = ""
+
+    def to_wire(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "ModelInfo":
+        """
+        >>> ModelInfo.from_wire({"kind": "bpe", "vocab_size": 5, "special_tokens": ["<s>"],
+        ...                      "chat_template": True, "cached": False}).vocab_size
+        5
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"a model info must be a map, got {type_name(d)}")
+        specials = d.get("special_tokens")
+        if not isinstance(specials, list) or len(specials) > MAX_SPECIAL_TOKENS or not all(
+                isinstance(t, str) and len(t) <= 1024 for t in specials):
+            raise ValueError(f"model info field 'special_tokens' must be a list of at most {MAX_SPECIAL_TOKENS} str")
+        vocab = d.get("vocab_size")
+        if not _is(vocab, int) or not 0 <= vocab < 2**32:
+            raise ValueError(f"model info field 'vocab_size' must be an int in 0..2**32-1, got {vocab!r:.40}")
+        for name in ("chat_template", "cached"):
+            if not _is(d.get(name), bool):
+                raise ValueError(f"model info field {name!r} must be bool, got {d.get(name)!r:.40}")
+        return cls(kind=_checked_str(d, "kind", "model info", limit=64), vocab_size=vocab, special_tokens=list(specials),
+                   chat_template=d["chat_template"], cached=d["cached"],
+                   source=_checked_str(d, "source", "model info", optional=True) or "")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """B_LOAD's body: a model to load, as `add_model` or the broker's flags give it.
+
+    `chat_template` is the template's text (add_model); `chat_template_file` a path on the worker's
+    host (a flag); `tokenizer_path` overrides where the tokenizer itself loads from.
+    """
+
+    name: str
+    source: str
+    aliases: list[str] = field(default_factory=list)
+    chat_template: str | None = None
+    chat_template_file: str | None = None
+    tokenizer_path: str | None = None
+
+    def to_wire(self) -> bytes:
+        return pack(self.__dict__)
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "LoadSpec":
+        """ValueError naming the field.
+
+        >>> LoadSpec.from_wire(LoadSpec("m", "/models/m", ["alias"]).to_wire()).aliases
+        ['alias']
+        """
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if not isinstance(d, dict):
+            raise ValueError(f"LOAD must be a map, got {type_name(d)}")
+        aliases = _names(d, "aliases")
+        return cls(
+            name=_checked_str(d, "name", "LOAD"),
+            source=_checked_str(d, "source", "LOAD", limit=4096),
+            aliases=aliases,
+            chat_template=_checked_str(d, "chat_template", "LOAD", limit=MAX_TEXT_FIELD, optional=True),
+            chat_template_file=_checked_str(d, "chat_template_file", "LOAD", limit=4096, optional=True),
+            tokenizer_path=_checked_str(d, "tokenizer_path", "LOAD", limit=4096, optional=True),
+        )
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """W_LOADED's body: how a load went. `retry`: the worker could not try (it was full or leaving),
+    so the model itself is not at fault; otherwise a failure is the source's and `error` says why."""
+
+    name: str
+    ok: bool
+    error: str = ""
+    fingerprint: str = ""
+    info: dict = field(default_factory=dict)  # ModelInfo.to_wire() when ok
+    seconds: float = 0.0  # how long the load took
+    retry: bool = False
+
+    def to_wire(self) -> bytes:
+        return pack(self.__dict__)
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "Loaded":
+        """ValueError naming the field.
+
+        >>> Loaded.from_wire(Loaded("m", False, "no such file").to_wire()).error
+        'no such file'
+        """
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if not isinstance(d, dict):
+            raise ValueError(f"LOADED must be a map, got {type_name(d)}")
+        ok = d.get("ok")
+        if not _is(ok, bool):
+            raise ValueError(f"LOADED field 'ok' must be bool, got {ok!r:.40}")
+        seconds = d.get("seconds", 0.0)
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 1e7:
+            raise ValueError(f"LOADED field 'seconds' must be a number >= 0, got {seconds!r:.40}")
+        return cls(
+            name=_checked_str(d, "name", "LOADED"),
+            ok=ok,
+            error=_checked_str(d, "error", "LOADED", limit=4096, optional=True) or "",
+            fingerprint=_checked_str(d, "fingerprint", "LOADED", limit=128, optional=True) or "",
+            info=ModelInfo.from_wire(d.get("info")).to_wire() if ok else {},
+            seconds=float(seconds),
+            retry=d.get("retry") is True,
+        )
