@@ -25,7 +25,7 @@ from tokenbroker.common.protocol import ADMIN_OPS, MAX_DEADLINE_MS, SKIPPED, err
 
 from .affinity import route_key
 from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
-from .catalog import FAILED, LOADING, WORKER, Catalog, CatalogError, add_model_spec
+from .catalog import FAILED, LOADING, WORKER, Catalog, CatalogError, Entry, add_model_spec
 from .dispatch import Dispatcher, Job
 from .frontend import Frontend, Incoming
 from .metrics import PoolMetrics
@@ -195,18 +195,20 @@ class Broker:
                 self.frontend.fail(envelope, peek.raw_id, "overloaded", f"{why}; retry later")
                 self.metrics.request_done(peek.op, "overloaded", 0.0)
                 continue
-            model, in_catalog = self._model_of(peek.op, peek.model)
-            if in_catalog and self.catalog.entries[model].state == FAILED:  # type: ignore[index]
-                self.frontend.fail(envelope, peek.raw_id, "unknown_model", self._failed_message(model))  # type: ignore[arg-type]
+            entry = self._entry_of(peek.op, peek.model)
+            if entry is not None and entry.state == FAILED:
+                self.frontend.fail(envelope, peek.raw_id, "unknown_model", self._failed_message(entry.name))
                 self.metrics.request_done(peek.op, "unknown_model", 0.0)
                 continue
             timeout_ms = peek.deadline_ms or self.config.request_timeout_ms
             route = route_key(peek) if self.config.routing == "affinity" else None
             job = Job(self.next_id, envelope, peek.raw_id, peek.raw, peek.op, route,
-                      received=now, deadline=now + timeout_ms / 1000, queued=now, model=model, catalog=in_catalog)
-            if in_catalog:
-                self.metrics.model_request(model)  # type: ignore[arg-type]
-                self.replan |= not self.placement.holders(model)  # type: ignore[arg-type]
+                      received=now, deadline=now + timeout_ms / 1000, queued=now,
+                      model=entry.name if entry is not None else (peek.model if peek.op in MODEL_OPS else None),
+                      catalog=entry is not None)
+            if entry is not None:
+                self.metrics.model_request(entry.name)
+                self.replan |= not self.placement.holders(entry.name)
             self.next_id += 1
             self.jobs[job.job_id] = job
             self.held_bytes += len(job.raw)
@@ -214,14 +216,12 @@ class Broker:
             self.dispatcher.enqueue(job)
             heapq.heappush(self.deadlines, (job.deadline, job.job_id))
 
-    def _model_of(self, op: str, name: str | None) -> tuple[str | None, bool]:
-        """(the model a job names, whether it is a catalog entry's name). Ops that tokenize name a
-        catalog model or the default; `count` does when its model is one (else its own ladder)."""
+    def _entry_of(self, op: str, name: str | None) -> Entry | None:
+        """The catalog model a job names, if any. Ops that tokenize name a catalog model or the
+        default; `count` does when its model is one (else the worker's counting ladder resolves it)."""
         if op in MODEL_OPS or (op == "count" and name is not None):
-            entry = self.catalog.resolve(name)
-            if entry is not None:
-                return entry.name, True
-        return (name if op in MODEL_OPS else None), False
+            return self.catalog.resolve(name)
+        return None
 
     def _failed_message(self, model: str) -> str:
         return f"field 'model': model {model!r} failed to load: {self.catalog.entries[model].error}"
@@ -502,7 +502,7 @@ class Broker:
 
     def _place(self, now: float) -> None:
         """Send the loads and unloads placement asks for; finish the removals whose jobs are done."""
-        for name in list(self.removing):
+        for name in list(self.removing) if self.removing else ():
             if not self.placement.holders(name):
                 self._fail_queued(name, "unknown_model", f"field 'model': model {name!r} was removed from the catalog", now)
             if self.dispatcher.demand.get(name):
