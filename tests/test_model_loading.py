@@ -396,3 +396,29 @@ def test_malformed_loads_are_dropped_and_the_worker_keeps_serving(peer: BackendP
     assert peer.loaded("ds").ok
     assert [x.name for k, x in peer.events if k == "loaded"] == ["ds"]  # none for the malformed ones
     assert peer.proc.poll() is None and "malformed LOAD" in "".join(peer.log)
+
+
+# --- letting go ------------------------------------------------------------------------------
+
+
+def test_an_unloaded_model_leaves_no_reference_behind() -> None:
+    """After `unload`, nothing the registry holds keeps the model alive: not its names, not the
+    counting ladder's extras (which may point at a loaded model), not its stream decoder."""
+    import gc
+    import weakref
+
+    from tokenbroker.common.config import EMBEDDED_DEFAULT, ModelConfig
+    from tokenbroker.workers.registry import ModelRegistry
+
+    registry = ModelRegistry(ModelConfig(models=(ModelSpec("bert", str(BERT_DIR)),), max_models=2))
+    model = load_model(ModelSpec("ds", EMBEDDED_DEFAULT, aliases=("ds-alias",)), CacheConfig())
+    registry.install(model)
+    assert registry.resolve("ds-alias") is model and registry.fallback() is model  # counting uses it too
+    model.stream_decoder().run([{"tokens": [1, 2, 3], "final": True}])
+    gone, tokenizer_gone = weakref.ref(model), weakref.ref(model.tokenizer)
+    del model
+    assert registry.unload("ds") is not None and registry.unload("ds") is None
+    gc.collect()
+    assert gone() is None and tokenizer_gone() is None
+    assert registry.find("ds") is None and registry.find("ds-alias") is None and registry.resolve(None).name == "bert"
+    assert registry.fallback() is not None  # loaded apart again, on demand
