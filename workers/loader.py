@@ -57,7 +57,12 @@ class Outcome:
 
 
 def spec_from_load(load: LoadSpec) -> ModelSpec:
-    """The ModelSpec a B_LOAD describes: `chat_template` is text (add_model), `chat_template_file` a path."""
+    """The ModelSpec a B_LOAD describes: `chat_template` is text (add_model), `chat_template_file` a path.
+
+    >>> spec = spec_from_load(LoadSpec("m", "/models/m", ["m-alias"], chat_template="{{ messages }}"))
+    >>> spec.aliases, spec.chat_template_text, spec.chat_template
+    (('m-alias',), '{{ messages }}', None)
+    """
     return ModelSpec(name=load.name, source=load.source, aliases=tuple(load.aliases),
                      tokenizer_path=load.tokenizer_path, chat_template=load.chat_template_file,
                      chat_template_text=load.chat_template)

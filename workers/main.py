@@ -281,8 +281,6 @@ def serve(config: WorkerConfig) -> int:
     except BootError as e:
         print(f"tokenbroker worker: cannot load tokenizers: {e}", file=sys.stderr, flush=True)
         return EXIT_BOOT_ERROR
-    for m in registry.models:
-        m.fingerprint  # hashed before the first READY, not while the broker waits for it
     ctx = zmq.Context()
     worker = Worker(ctx, config, name, Ops(registry, name), registry)
     signal.signal(signal.SIGTERM, lambda *_: worker.leaving.set())
