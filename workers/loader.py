@@ -16,7 +16,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenbroker.common.config import CacheConfig, ModelSpec
 from tokenbroker.common.errors import BootError
@@ -76,8 +76,9 @@ def load_outcome(ticket: Ticket, cache_config: CacheConfig) -> Outcome:
     try:
         model = load_model(spec, cache_config)
         outcome = Outcome(ticket, model, "", 0.0, model.info().to_wire())
-        Loaded.from_wire(outcome.loaded().to_wire())  # hashes the vocabulary; and the broker will take it
-        return Outcome(ticket, model, "", time.monotonic() - start, outcome.info)
+        # .loaded() hashes the vocabulary (Model.fingerprint, kept); from_wire: the broker will take it
+        Loaded.from_wire(outcome.loaded().to_wire())
+        return replace(outcome, seconds=time.monotonic() - start)
     except Exception as e:  # BootError, OSError, ValueError, a tokenizer library's own: all the source's fault
         message = str(e) if isinstance(e, BootError) else f"{type(e).__name__}: {e}"
         error = f"cannot load model {spec.name!r} from {spec.source!r}: {message}"
