@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -316,6 +317,12 @@ def test_a_failed_load_names_what_is_wrong_and_the_worker_keeps_serving(peer: Ba
     failed = peer.loaded("bad-template")
     assert not failed.ok and "nope.jinja" in failed.error
 
+    peer.load("default", BERT_DIR)  # the default model's alias
+    peer.load("other", BERT_DIR, aliases=["bert"])
+    for name in ("default", "other"):
+        failed = peer.loaded(name)
+        assert not failed.ok and not failed.retry and "already taken" in failed.error
+
     assert peer.tokenize(None)["ok"] and peer.tokenize("missing")["error"]["code"] == "unknown_model"
     assert peer.proc.poll() is None
     assert peer.fresh_ready().models == ["bert"]
@@ -422,3 +429,9 @@ def test_an_unloaded_model_leaves_no_reference_behind() -> None:
     assert gone() is None and tokenizer_gone() is None
     assert registry.find("ds") is None and registry.find("ds-alias") is None and registry.resolve(None).name == "bert"
     assert registry.fallback() is not None  # loaded apart again, on demand
+
+
+def test_a_worker_told_to_leave_while_it_loads_leaves_cleanly(peer: BackendPeer) -> None:
+    peer.load("qwen", QWEN_TIKTOKEN)
+    peer.proc.send_signal(signal.SIGTERM)
+    assert peer.proc.wait(60) == 0  # the loader thread holds nothing the worker waits for
