@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tokenbroker.common.config import EMBEDDED_DEFAULT, EMBEDDED_DEFAULT_NAME, CacheConfig, Limits, ModelConfig, ModelSpec
+from tokenbroker.common.config import DEFAULT_ALIAS, EMBEDDED_DEFAULT, EMBEDDED_DEFAULT_NAME, CacheConfig, Limits, ModelConfig, ModelSpec
 from tokenbroker.common.errors import BootError, ProtocolError
 from tokenbroker.common.protocol import MAX_SPECIAL_TOKENS, ModelInfo
 
@@ -191,8 +191,10 @@ class ModelRegistry:
     @property
     def default(self) -> Model:
         """The configured default model; unknown_model once the broker has had this worker let it go."""
-        model = self._by_name.get(self._default_name)
-        if model is None or model.name != self._default_name:
+        model = self._by_name.get(DEFAULT_ALIAS)  # the broker's default once it had it loaded here
+        if model is None:
+            model = self._by_name.get(self._default_name)
+        if model is None or (model.name != self._default_name and DEFAULT_ALIAS not in model.names):
             raise ProtocolError("unknown_model", f"field 'model': the default model {self._default_name!r} is not "
                                 "loaded on this worker")
         return model
@@ -203,8 +205,17 @@ class ModelRegistry:
         return model if model is not None and model.name == name else None
 
     def clash(self, names: tuple[str, ...] | list[str]) -> str | None:
-        """A name or alias among `names` that a loaded model already answers to, or None."""
-        return next((n for n in names if n in self._by_name), None)
+        """Among a model's `names` (its name first, then its aliases), one that is taken, or None.
+
+        Its name clashes with anything a loaded model answers to; an alias only with another
+        model's own name. An alias of a loaded model is taken over: the broker owns the names, so
+        its default model, loaded here, answers to `default` instead of this worker's own default.
+        """
+        for i, n in enumerate(names):
+            model = self._by_name.get(n)
+            if model is not None and (i == 0 or model.name == n):
+                return n
+        return None
 
     def install(self, model: Model) -> None:
         """Serve `model` from now on (main thread only). Its names must be free (see `clash`)."""
@@ -213,6 +224,9 @@ class ModelRegistry:
             raise ValueError(f"model {model.name!r}: the name {taken!r} is already taken by model {self._by_name[taken].name!r}")
         self.models.append(model)
         for n in model.names:
+            prior = self._by_name.get(n)
+            if prior is not None and prior is not model:
+                log.info("the alias %r moves from model %s to model %s", n, prior.name, model.name)
             self._by_name[n] = model
         with self._extras_lock:  # counting finds this model for its source next time, not a copy loaded apart
             self._extras.pop(model.spec.source, None)
