@@ -10,7 +10,7 @@ import time
 
 import msgpack
 
-from conftest import Conn, cpu_seconds, free_port, rss, scrape, start_broker, wait_until
+from helpers import Conn, cpu_seconds, free_port, rss, scrape, start_broker, wait_until
 from tokenbroker.broker.supervisor import Exit
 from tokenbroker.common.protocol import logged_id
 

