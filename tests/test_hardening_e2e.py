@@ -6,17 +6,22 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import msgpack
 
-from helpers import Conn, cpu_seconds, free_port, rss, scrape, start_broker, wait_until
+from helpers import Conn, Samples, cpu_seconds, free_port, rss, sample, scrape, series, start_broker, wait_until
 from tokenbroker.broker.supervisor import Exit
 from tokenbroker.common.protocol import logged_id
 
 
 def code(reply: dict) -> str | None:
     return None if reply["ok"] else reply["error"]["code"]
+
+
+def _after_all_routed(samples: Samples, jobs: int) -> Samples | None:
+    """The scrape if its snapshot was taken after `jobs` jobs were routed and all answered, else None."""
+    picks = sum(series(samples, "tokenbroker_router_picks_total").values())
+    return samples if picks == jobs and sample(samples, "tokenbroker_requests_held") == 0 else None
 
 
 def test_huge_payloads_do_not_stall_other_clients() -> None:
@@ -41,7 +46,7 @@ def test_huge_payloads_do_not_stall_other_clients() -> None:
 
 def test_client_that_never_reads_costs_the_broker_bounded_memory() -> None:
     """Row 4: 20,000 `models` requests never read; the broker refuses past its per-client cap."""
-    broker = start_broker(workers=1)
+    broker = start_broker("--metrics-port", str(free_port()), workers=1)
     c, probe = Conn(broker.endpoint), Conn(broker.endpoint)
     try:
         probe.call("ping")
@@ -50,7 +55,9 @@ def test_client_that_never_reads_costs_the_broker_bounded_memory() -> None:
         for _ in range(20_000):
             c.send_raw(b"", payload)
         wait_until(lambda: probe.call("ping")["ok"], what="the broker answers others")
-        time.sleep(1.0)  # let the worker answer what the broker let through
+        # The requests counter is live (not the loop's snapshot): refused or served by the worker, all answered.
+        wait_until(lambda: sum(v for labels, v in series(scrape(broker.metrics), "tokenbroker_requests_total").items()
+                               if ("op", "models") in labels) == 20_000, what="every models request answered")
         grown = rss(broker.proc.pid) - before
         assert grown < 200 * 1024 * 1024, f"broker grew {grown / 2**20:.0f} MiB"
         assert probe.call("tokenize", text="fine")["ok"]
@@ -108,8 +115,10 @@ def test_rejected_requests_do_not_fill_the_affinity_index() -> None:
         for _ in range(300):
             assert code(c.recv()) == "bad_request"
         assert c.call("tokenize", text="one good request")["ok"]
-        time.sleep(0.3)  # the exporter's snapshot is at most 100 ms old
-        entries = scrape(broker.metrics)[("tokenbroker_router_index_entries", frozenset())]
+        # The exporter shows the loop's last snapshot (at most 100 ms old): wait for one taken after the good
+        # request's reply, when all 301 jobs were routed and none is held.
+        fresh = wait_until(lambda: _after_all_routed(scrape(broker.metrics), 301), what="a snapshot after the last reply")
+        entries = fresh[("tokenbroker_router_index_entries", frozenset())]
         assert entries <= 2, entries
     finally:
         c.close()

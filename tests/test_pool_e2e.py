@@ -7,14 +7,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from helpers import (
     BERT_DIR,
     Conn,
     free_port,
     scrape,
+    series,
     serving,
+    socket_inodes,
     start_broker,
     wait_until,
 )
@@ -22,6 +23,13 @@ from helpers import (
 
 def _code(reply: dict) -> str | None:
     return None if reply["ok"] else reply["error"]["code"]
+
+
+def _holds_a_job(broker, pid: int) -> bool:
+    """Whether the broker's exporter shows the worker with this pid holding a job."""
+    samples = scrape(broker.metrics)
+    names = {dict(labels)["worker"] for labels in series(samples, "tokenbroker_worker_info") if dict(labels)["pid"] == str(pid)}
+    return any(v >= 1 for labels, v in series(samples, "tokenbroker_worker_in_flight").items() if dict(labels)["worker"] in names)
 
 
 def test_killed_worker_is_replaced_and_its_requests_answered():
@@ -48,14 +56,14 @@ def test_killed_worker_is_replaced_and_its_requests_answered():
 
 
 def test_request_dying_with_two_workers_is_answered_worker_failed():
-    broker = start_broker(workers=1)
+    broker = start_broker("--metrics-port", str(free_port()), workers=1)
     c, probe = Conn(broker.endpoint), Conn(broker.endpoint)
     try:
         c.send({"id": "big", "op": "tokenize", "text": "word " * 3_000_000, "deadline_ms": 120000})
         for _ in range(2):
             wait_until(lambda: probe.call("ping")["workers"] == 1, what="a ready worker")
-            time.sleep(0.3)  # the queued job reaches the worker as soon as it is ready
             pids = broker.worker_pids()
+            wait_until(lambda: _holds_a_job(broker, pids[0]), what="the queued job at the ready worker")
             os.kill(pids[0], signal.SIGKILL)
             wait_until(lambda: broker.worker_pids() and broker.worker_pids() != pids, what="respawn")
         reply = c.recv(timeout=60)
@@ -98,9 +106,14 @@ def test_workers_come_back_at_once_after_the_broker_was_paused():
     """A stalled broker (SIGSTOP) makes its workers reconnect; on resume they must serve without a gap."""
     with serving(workers=1) as (broker, c):
         assert c.call("tokenize", text="before")["ok"]
+        (worker,) = broker.worker_pids()
+        sockets = socket_inodes(worker)
         broker.proc.send_signal(signal.SIGSTOP)
-        time.sleep(7)  # longer than heartbeat interval x liveness: the worker gives up on the broker and reconnects
-        broker.proc.send_signal(signal.SIGCONT)
+        try:  # after heartbeat interval x liveness the worker gives up on the broker and opens a new connection
+            wait_until(lambda: broker.logged("broker silent") and socket_inodes(worker) - sockets, timeout=60,
+                       what="the worker to give up on the paused broker and reconnect")
+        finally:
+            broker.proc.send_signal(signal.SIGCONT)
         reply = c.call("tokenize", text="after", timeout=10)
         assert reply["ok"], reply
         assert c.call("ping")["workers"] == 1
