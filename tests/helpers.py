@@ -275,6 +275,11 @@ class Conn:
         self.sock.close(linger=0)
 
 
+def error_code(reply: dict) -> str | None:
+    """A reply's error code, None when it is ok."""
+    return None if reply["ok"] else reply["error"]["code"]
+
+
 @contextlib.contextmanager
 def serving(*args: str, workers: int = 1) -> Iterator[tuple[BrokerProcess, Conn]]:
     """A broker started with `args` and one client connected to it; both stopped on exit."""
@@ -289,6 +294,6 @@ def serving(*args: str, workers: int = 1) -> Iterator[tuple[BrokerProcess, Conn]
 
 __all__ = [
     "BERT_DIR", "CHAT_TEMPLATES", "FIXTURES", "MODELS", "QWEN_TIKTOKEN", "BrokerProcess", "Conn", "Samples",
-    "cpu_seconds", "deepseek_tokenizer", "deepseek_tokenizer_json", "free_port", "rss", "sample", "scrape",
+    "cpu_seconds", "deepseek_tokenizer", "error_code", "deepseek_tokenizer_json", "free_port", "rss", "sample", "scrape",
     "series", "serving", "socket_inodes", "start_broker", "status_bytes", "until", "wait_until",
 ]

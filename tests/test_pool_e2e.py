@@ -11,6 +11,7 @@ import sys
 from helpers import (
     BERT_DIR,
     Conn,
+    error_code,
     free_port,
     scrape,
     series,
@@ -19,10 +20,6 @@ from helpers import (
     start_broker,
     wait_until,
 )
-
-
-def _code(reply: dict) -> str | None:
-    return None if reply["ok"] else reply["error"]["code"]
 
 
 def _holds_a_job(broker, pid: int) -> bool:
@@ -47,7 +44,7 @@ def test_killed_worker_is_replaced_and_its_requests_answered():
             r = c.recv(timeout=60)
             replies[r["id"]] = r
         assert sorted(replies) == list(range(n))
-        assert all(r["ok"] for r in replies.values()), {_code(r) for r in replies.values()}
+        assert all(r["ok"] for r in replies.values()), {error_code(r) for r in replies.values()}
         wait_until(lambda: c.call("ping")["workers"] == 2, what="pool back to two workers")
         assert victim not in broker.worker_pids() and len(broker.worker_pids()) == 2
     finally:
@@ -67,7 +64,7 @@ def test_request_dying_with_two_workers_is_answered_worker_failed():
             os.kill(pids[0], signal.SIGKILL)
             wait_until(lambda: broker.worker_pids() and broker.worker_pids() != pids, what="respawn")
         reply = c.recv(timeout=60)
-        assert reply["id"] == "big" and _code(reply) == "worker_failed"
+        assert reply["id"] == "big" and error_code(reply) == "worker_failed"
         wait_until(lambda: probe.call("ping")["workers"] == 1, what="pool back")
     finally:
         c.close()
@@ -79,14 +76,14 @@ def test_deadline_passing_is_answered_timeout_and_the_broker_keeps_serving():
     with serving(workers=1) as (_, c):
         c.send({"id": "slow", "op": "tokenize", "text": "word " * 2_000_000, "deadline_ms": 5})
         reply = c.recv()
-        assert reply["id"] == "slow" and _code(reply) == "timeout"
+        assert reply["id"] == "slow" and error_code(reply) == "timeout"
         assert c.call("tokenize", text="still here")["ok"]
 
 
 def test_payload_over_max_request_bytes_is_too_large():
     with serving("--max-request-bytes", "1000", workers=1) as (_, c):
         reply = c.call("tokenize", text="x" * 2000)
-        assert _code(reply) == "too_large" and "1000" in reply["error"]["message"]
+        assert error_code(reply) == "too_large" and "1000" in reply["error"]["message"]
         assert c.call("tokenize", text="small")["ok"]
 
 
@@ -96,7 +93,7 @@ def test_full_queue_answers_overloaded_and_nothing_is_lost():
         for i in range(n):
             c.send({"id": i, "op": "tokenize", "text": "word " * 200000})
         replies = [c.recv(timeout=120) for _ in range(n)]
-        codes = [_code(r) for r in replies]
+        codes = [error_code(r) for r in replies]
         assert sorted(r["id"] for r in replies) == list(range(n))
         assert "overloaded" in codes and None in codes
         assert set(codes) <= {None, "overloaded"}
@@ -124,7 +121,7 @@ def test_held_bytes_over_max_pending_bytes_are_overloaded():
         text = "word " * 200000  # 1 MB each: the fourth held payload passes the bound
         for i in range(8):
             c.send({"id": i, "op": "tokenize", "text": text})
-        codes = [_code(c.recv(timeout=120)) for _ in range(8)]
+        codes = [error_code(c.recv(timeout=120)) for _ in range(8)]
         assert "overloaded" in codes and None in codes
         assert c.call("tokenize", text="small")["ok"]
 
@@ -136,7 +133,7 @@ def test_sigterm_answers_every_held_request_then_stops_cleanly():
         c.recv()
         broker.proc.send_signal(signal.SIGTERM)
         replies = [c.recv(timeout=60) for _ in range(19)]
-        assert all(r["ok"] or _code(r) == "overloaded" for r in replies)
+        assert all(r["ok"] or error_code(r) == "overloaded" for r in replies)
         assert broker.proc.wait(30) == 0
         assert not broker.worker_pids()
 

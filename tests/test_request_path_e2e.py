@@ -17,6 +17,7 @@ from helpers import (
     Conn,
     cpu_seconds,
     deepseek_tokenizer_json,
+    error_code,
     start_broker,
     wait_until,
 )
@@ -128,8 +129,7 @@ def test_deadline_inside_a_busy_pipeline_is_answered_timeout_and_the_rest_served
             replies[r["id"]] = r
         assert replies["big"]["ok"]
         for i in range(20):
-            code = None if replies[i]["ok"] else replies[i]["error"]["code"]
-            assert code == ("timeout" if i % 2 else None), (i, replies[i])
+            assert error_code(replies[i]) == ("timeout" if i % 2 else None), (i, replies[i])
     finally:
         c.close()
         broker.stop()
