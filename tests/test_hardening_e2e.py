@@ -51,7 +51,7 @@ def test_client_that_never_reads_costs_the_broker_bounded_memory() -> None:
         for _ in range(20_000):
             c.send_raw(b"", payload)
         wait_until(lambda: probe.call("ping")["ok"], what="the broker answers others")
-        # The requests counter is live (not the loop's snapshot): refused or served by the worker, all answered.
+        # The requests counter is live (bumped per answer, not part of the loop's snapshot): wait for all 20,000.
         wait_until(lambda: sum(v for labels, v in series(scrape(broker.metrics), "tokenbroker_requests_total").items()
                                if ("op", "models") in labels) == 20_000, what="every models request answered")
         grown = rss(broker.proc.pid) - before
