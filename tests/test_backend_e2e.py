@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import zmq
 
-from conftest import Conn, free_port, start_broker, wait_until
+from helpers import Conn, free_port, start_broker, wait_until
 from tokenbroker.common.protocol import PROTOCOL_VERSION, W_HEARTBEAT, W_READY, W_RESULTS
 
 
@@ -127,7 +127,7 @@ def test_a_peer_cannot_take_over_a_connected_workers_name() -> None:
 def test_each_model_goes_only_to_the_workers_that_hold_it() -> None:
     """A pool of a local DeepSeek worker and a remote worker holding only BERT: no request for one
     model reaches the other's worker, so none is answered unknown_model."""
-    from conftest import BERT_DIR
+    from helpers import BERT_DIR
 
     port = free_port()
     broker = start_broker("--backend", f"tcp://127.0.0.1:{port}", "--served-model-name", "deepseek", workers=1)

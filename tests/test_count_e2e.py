@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import socket
 import struct
 import threading
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from conftest import serving
+from helpers import FIXTURES, serving
 
 
 @contextlib.contextmanager
@@ -114,10 +115,7 @@ def test_huge_image_headers_are_scaled_like_the_provider_does_and_never_fail_a_c
 
 def test_published_function_tool_and_responses_counts_through_the_broker():
     """The fixture's published counts, answered by a real worker whose encodings come from local files."""
-    import json
-    from pathlib import Path
-
-    cases = json.loads((Path(__file__).parent / "fixtures" / "count" / "openai_function_counts.json").read_text())
+    cases = json.loads((FIXTURES / "count" / "openai_function_counts.json").read_text())
     with serving() as (_, conn):
         for case in cases:
             reply = conn.call("count", body=case["body"], format=case["format"], model=case["model"], strict=True, timeout=60)

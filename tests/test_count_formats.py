@@ -13,14 +13,13 @@ import struct
 import zlib
 from collections.abc import Callable
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer
 
+from helpers import deepseek_tokenizer
 from tokenbroker.workers.count import CountResult, count_request
 from tokenbroker.workers.count_detect import detect_format
 from tokenbroker.workers.count_images import anthropic_image_tokens, gemini_image_tokens, image_size, openai_image_tokens
@@ -44,9 +43,7 @@ def cl100k() -> Encoder:
 
 @lru_cache(maxsize=None)
 def deepseek() -> Encoder:
-    import deepseek_tokenizer
-
-    tok = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
+    tok = deepseek_tokenizer()
     return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
 
 

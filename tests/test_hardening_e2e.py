@@ -6,17 +6,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import msgpack
 
-from conftest import Conn, cpu_seconds, free_port, rss, scrape, start_broker, wait_until
+from helpers import Conn, Samples, cpu_seconds, error_code, free_port, rss, sample, scrape, series, start_broker, wait_until
 from tokenbroker.broker.supervisor import Exit
 from tokenbroker.common.protocol import logged_id
 
 
-def code(reply: dict) -> str | None:
-    return None if reply["ok"] else reply["error"]["code"]
+def _after_all_routed(samples: Samples, jobs: int) -> Samples | None:
+    """The scrape if its snapshot was taken after `jobs` jobs were routed and all answered, else None."""
+    picks = sum(series(samples, "tokenbroker_router_picks_total").values())
+    return samples if picks == jobs and sample(samples, "tokenbroker_requests_held") == 0 else None
 
 
 def test_huge_payloads_do_not_stall_other_clients() -> None:
@@ -31,7 +32,7 @@ def test_huge_payloads_do_not_stall_other_clients() -> None:
             heavy.send_raw(b"", blob)
         assert other.call("tokenize", text="still served")["ok"]
         for _ in range(6):
-            assert code(heavy.recv()) in ("timeout", "template_error")
+            assert error_code(heavy.recv()) in ("timeout", "template_error")
         assert broker.worker_pids() == [pid]  # never dropped as silent, never replaced
     finally:
         heavy.close()
@@ -41,7 +42,7 @@ def test_huge_payloads_do_not_stall_other_clients() -> None:
 
 def test_client_that_never_reads_costs_the_broker_bounded_memory() -> None:
     """Row 4: 20,000 `models` requests never read; the broker refuses past its per-client cap."""
-    broker = start_broker(workers=1)
+    broker = start_broker("--metrics-port", str(free_port()), workers=1)
     c, probe = Conn(broker.endpoint), Conn(broker.endpoint)
     try:
         probe.call("ping")
@@ -50,7 +51,9 @@ def test_client_that_never_reads_costs_the_broker_bounded_memory() -> None:
         for _ in range(20_000):
             c.send_raw(b"", payload)
         wait_until(lambda: probe.call("ping")["ok"], what="the broker answers others")
-        time.sleep(1.0)  # let the worker answer what the broker let through
+        # The requests counter is live (bumped per answer, not part of the loop's snapshot): wait for all 20,000.
+        wait_until(lambda: sum(v for labels, v in series(scrape(broker.metrics), "tokenbroker_requests_total").items()
+                               if ("op", "models") in labels) == 20_000, what="every models request answered")
         grown = rss(broker.proc.pid) - before
         assert grown < 200 * 1024 * 1024, f"broker grew {grown / 2**20:.0f} MiB"
         assert probe.call("tokenize", text="fine")["ok"]
@@ -66,9 +69,9 @@ def test_reply_and_batch_limits_answer_too_large() -> None:
     c = Conn(broker.endpoint)
     try:
         big = c.call("detokenize", tokens=[19923] * 200_000, tokens_format="u32")
-        assert code(big) == "too_large" and "--max-reply-bytes" in big["error"]["message"]
+        assert error_code(big) == "too_large" and "--max-reply-bytes" in big["error"]["message"]
         many = c.call("tokenize", text=["a"] * 1001)
-        assert code(many) == "too_large" and "--max-batch-items" in many["error"]["message"]
+        assert error_code(many) == "too_large" and "--max-batch-items" in many["error"]["message"]
         assert c.call("tokenize", text=["a"] * 1000)["ok"]
         limits = c.call("ping")["limits"]
         assert limits["max_batch_items"] == 1000 and limits["max_reply_bytes"] == 100000
@@ -87,7 +90,7 @@ def test_batch_past_its_deadline_stops_working() -> None:
         before = cpu_seconds(pid)
         texts = [f"{i} " + "lorem ipsum dolor sit amet " * 20 for i in range(60_000)]
         c.send({"id": "batch", "op": "tokenize", "text": texts, "deadline_ms": 300, "tokens_format": "u32"})
-        assert code(c.recv()) == "timeout"
+        assert error_code(c.recv()) == "timeout"
         assert c.call("tokenize", text="after")["ok"]  # served by the same worker, after the batch stopped
         used = cpu_seconds(pid) - before
         full = 60_000 * 560 / 3e6  # the whole batch at a generous 3 MB/s
@@ -106,10 +109,12 @@ def test_rejected_requests_do_not_fill_the_affinity_index() -> None:
         for i in range(300):
             c.send({"id": i, "op": "chat", "messages": bad})
         for _ in range(300):
-            assert code(c.recv()) == "bad_request"
+            assert error_code(c.recv()) == "bad_request"
         assert c.call("tokenize", text="one good request")["ok"]
-        time.sleep(0.3)  # the exporter's snapshot is at most 100 ms old
-        entries = scrape(broker.metrics)[("tokenbroker_router_index_entries", frozenset())]
+        # The exporter shows the loop's last snapshot (at most 100 ms old): wait for one taken after the good
+        # request's reply, when all 301 jobs were routed and none is held.
+        fresh = wait_until(lambda: _after_all_routed(scrape(broker.metrics), 301), what="a snapshot after the last reply")
+        entries = fresh[("tokenbroker_router_index_entries", frozenset())]
         assert entries <= 2, entries
     finally:
         c.close()
@@ -123,7 +128,7 @@ def test_ext_type_id_is_a_bad_request() -> None:
     try:
         c.send_raw(b"", msgpack.packb({"id": msgpack.ExtType(5, b"x"), "op": "ping"}))
         reply = c.recv()
-        assert code(reply) == "bad_request" and reply["id"] is None and "'id'" in reply["error"]["message"]
+        assert error_code(reply) == "bad_request" and reply["id"] is None and "'id'" in reply["error"]["message"]
     finally:
         c.close()
         broker.stop()
@@ -226,7 +231,7 @@ def test_a_timed_out_job_is_let_go_when_its_worker_dies() -> None:
     c = Conn(broker.endpoint)
     try:
         c.send({"id": "slow", "op": "tokenize", "text": "word " * 3_000_000, "deadline_ms": 200, "tokens_format": "u32"})
-        assert code(c.recv()) == "timeout"
+        assert error_code(c.recv()) == "timeout"
         held = ("tokenbroker_requests_held", frozenset())
         assert scrape(broker.metrics)[held] == 1  # still at the worker, which is busy with it
         os.kill(broker.worker_pids()[0], signal.SIGKILL)

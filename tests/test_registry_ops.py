@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from conftest import BERT_DIR
+from helpers import BERT_DIR
 from tokenbroker.common.config import CacheConfig, ModelConfig, ModelSpec
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.workers.ops import Ops

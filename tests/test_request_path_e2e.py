@@ -10,7 +10,17 @@ import time
 import msgpack
 import pytest
 
-from conftest import BERT_DIR, FIXTURES, QWEN_TIKTOKEN, Conn, cpu_seconds, deepseek_tokenizer_json, start_broker
+from helpers import (
+    BERT_DIR,
+    FIXTURES,
+    QWEN_TIKTOKEN,
+    Conn,
+    cpu_seconds,
+    deepseek_tokenizer_json,
+    error_code,
+    start_broker,
+    wait_until,
+)
 
 
 def without_worker(reply: dict) -> dict:
@@ -119,8 +129,7 @@ def test_deadline_inside_a_busy_pipeline_is_answered_timeout_and_the_rest_served
             replies[r["id"]] = r
         assert replies["big"]["ok"]
         for i in range(20):
-            code = None if replies[i]["ok"] else replies[i]["error"]["code"]
-            assert code == ("timeout" if i % 2 else None), (i, replies[i])
+            assert error_code(replies[i]) == ("timeout" if i % 2 else None), (i, replies[i])
     finally:
         c.close()
         broker.stop()
@@ -131,18 +140,27 @@ def test_loaded_broker_with_no_free_worker_sleeps() -> None:
     broker = start_broker(workers=1)
     c = Conn(broker.endpoint)
     try:
-        c.call("ping")
+        wait_until(lambda: c.call("ping")["workers"] == 1, what="a ready worker")
+        (worker,) = broker.worker_pids()
+        idle = cpu_seconds(worker)
         for i in range(3):
             c.send({"id": f"big{i}", "op": "tokenize", "text": f"{i} " + "word " * 2_000_000, "tokens_format": "u32",
                     "deadline_ms": 120000})
         for i in range(100):
             c.send({"id": i, "op": "tokenize", "text": f"queued {i}", "deadline_ms": 120000})
-        time.sleep(0.5)  # the broker has read them all and handed the first big one out
+        # The broker answers a ping as it reads it, so once its reply is here it has read all 103 before it;
+        # an idle worker burning CPU has the first big one.
+        c.send({"id": "read", "op": "ping"})
+        replies: dict = {}
+        while "read" not in replies:
+            r = c.recv(timeout=120)
+            replies[r["id"]] = r
+        del replies["read"]
+        wait_until(lambda: cpu_seconds(worker) > idle + 0.1, what="the worker at work on the first big one")
         before = cpu_seconds(broker.proc.pid)
-        time.sleep(1.0)
+        time.sleep(1.0)  # the window the broker's CPU is measured over, not a wait for anything
         used = cpu_seconds(broker.proc.pid) - before
         assert used < 0.15, f"the broker used {used:.2f} s of CPU in 1 s while waiting"
-        replies = {}
         while len(replies) < 103:
             r = c.recv(timeout=120)
             replies[r["id"]] = r

@@ -18,7 +18,7 @@ import sys
 from collections import Counter, defaultdict
 
 import pytest
-from conftest import Conn, free_port, start_broker, wait_until
+from helpers import Conn, free_port, start_broker, wait_until
 
 EOS = "<｜end▁of▁sentence｜>"  # marked special in the embedded tokenizer: L1 cuts prefixes after it
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"

@@ -273,7 +273,7 @@ def _curve_server(tmp_path, ctx, admitted: bool):
 @pytest.mark.parametrize("how", ["key-not-admitted", "wrong-server-key", "admitted"])
 def test_a_refused_client_learns_why_from_its_monitor(tmp_path, how):
     from tokenbroker.common.curve import handshake_refusal, watch_handshakes
-    from conftest import wait_until
+    from helpers import wait_until
 
     ctx = zmq.Context()
     security, server, server_key, client_secret = _curve_server(tmp_path, ctx, admitted=how != "key-not-admitted")

