@@ -12,11 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import zmq
 from tokenizers import Tokenizer
 
-from conftest import BERT_DIR, QWEN_TIKTOKEN, Conn, deepseek_tokenizer_json, free_port, scrape, serving, wait_until
-from tokenbroker.common.curve import apply_client_curve
+from helpers import BERT_DIR, QWEN_TIKTOKEN, Conn, deepseek_tokenizer_json, free_port, scrape, serving, wait_until
 
 DEEPSEEK = deepseek_tokenizer_json()
 TEXTS = ["Hello, world!", "The quick brown fox jumps over the lazy dog.", "naïve café 東京 🤖", ""]
@@ -179,19 +177,6 @@ def run_keys(folder: Path, name: str) -> Path:
     return folder / f"{name}.key_secret"
 
 
-class CurveConn(Conn):
-    """The test client with CURVE set before it connects."""
-
-    def __init__(self, endpoint: str, server_key: Path, secret_key: Path) -> None:
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        apply_client_curve(self.sock, str(server_key), str(secret_key))
-        self.sock.connect(endpoint)
-        self.delimiter = True
-        self._next = 0
-
-
 def test_admin_ops_from_a_key_not_in_curve_admins_are_forbidden(tmp_path):
     broker_key = run_keys(tmp_path / "broker", "broker")
     client_key = run_keys(tmp_path / "clients", "c1")
@@ -199,7 +184,8 @@ def test_admin_ops_from_a_key_not_in_curve_admins_are_forbidden(tmp_path):
     with serving("--curve-secret-key", str(broker_key), "--curve-clients", str(tmp_path / "clients"),
                  "--curve-admins", str(tmp_path / "admins"), workers=1) as (broker, _):
         public = tmp_path / "broker" / "broker.key"
-        client, admin = CurveConn(broker.endpoint, public, client_key), CurveConn(broker.endpoint, public, admin_key)
+        client = Conn(broker.endpoint, server_key=public, secret_key=client_key)
+        admin = Conn(broker.endpoint, server_key=public, secret_key=admin_key)
         try:
             for op, fields in (("add_model", {"name": "bert", "source": str(BERT_DIR)}), ("remove_model", {"name": "deepseek"})):
                 err = client.call(op, **fields)["error"]

@@ -48,9 +48,10 @@ def server_key(keys: dict[str, Path]) -> Path:
 
 
 def start_curve_broker(keys: dict[str, Path], backend_port: int) -> BrokerProcess:
-    """A CURVE broker without local workers, its exporter on (for tokenbroker_auth_failures_total)."""
+    """A CURVE broker without local workers, its exporter on (for tokenbroker_auth_failures_total),
+    with the remote workers' model flags (else it would have them load its embedded default too)."""
     root = keys["root"]
-    return start_broker("--curve-secret-key", str(keys["broker"]), "--curve-clients", str(root / "clients"),
+    return start_broker("--model", f"bert={BERT_DIR}", "--curve-secret-key", str(keys["broker"]), "--curve-clients", str(root / "clients"),
                         "--curve-admins", str(root / "admins"), "--curve-workers", str(root / "workers"),
                         "--backend", f"tcp://127.0.0.1:{backend_port}", "--metrics-port", str(free_port()),
                         workers=0, timeout=60)
