@@ -28,7 +28,6 @@ the next step skips the MAC and, when nothing changed, returns the same state by
 from __future__ import annotations
 
 import struct
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +66,7 @@ class _Step:
 
 
 class StreamDecoder:
-    """Serves `detokenize_stream` for one model; built once per tokenizer (see `decoder_for`)."""
+    """Serves `detokenize_stream` for one model; built once per model and kept by it (`Model.stream_decoder`)."""
 
     def __init__(self, tokenizer: Tokenizer, fingerprint: str) -> None:
         self.tokenizer = tokenizer
@@ -432,14 +431,3 @@ def _field(m: dict, name: str, kind: type, default: Any, i: int) -> Any:
         want = {bool: "bool", list: "list"}[kind]
         raise ProtocolError("bad_request", f"field 'seqs[{i}].{name}' must be {want}, got {type_name(value)}")
     return value
-
-
-_decoders: "weakref.WeakKeyDictionary[Any, StreamDecoder]" = weakref.WeakKeyDictionary()
-
-
-def decoder_for(tokenizer: Tokenizer, fingerprint: str) -> StreamDecoder:
-    """The model's StreamDecoder, built on first use (a byte table takes a fraction of a second)."""
-    d = _decoders.get(tokenizer)
-    if d is None:
-        d = _decoders[tokenizer] = StreamDecoder(tokenizer, fingerprint)
-    return d
