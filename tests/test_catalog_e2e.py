@@ -209,3 +209,38 @@ def test_admin_op_fields_are_checked_and_named(op):
             assert err["code"] == "bad_request" and "aliases[0]" in err["message"]
             err = conn.call(op, name="m")["error"]
             assert err["code"] == "bad_request" and "'source'" in err["message"]
+
+
+def own_non_loopback_address() -> str | None:
+    """An IPv4 address of this host other than loopback (no packet is sent), or None."""
+    import ipaddress
+    import socket
+
+    candidates = []
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # a UDP "connect" only picks the outgoing interface
+            candidates.append(s.getsockname()[0])
+    except OSError:
+        pass
+    try:
+        candidates += socket.gethostbyname_ex(socket.gethostname())[2]
+    except OSError:
+        pass
+    return next((a for a in candidates if not ipaddress.ip_address(a).is_loopback), None)
+
+
+def test_without_curve_admin_ops_are_allowed_on_loopback_connections_only():
+    address = own_non_loopback_address()
+    if address is None:
+        pytest.skip("this host has no non-loopback IPv4 address to connect from")
+    port = free_port()
+    with serving("--frontend", f"tcp://0.0.0.0:{port}", "--insecure", workers=1) as (broker, local):
+        remote = Conn(f"tcp://{address}:{port}")
+        try:
+            err = remote.call("add_model", name="bert", source=str(BERT_DIR))["error"]
+            assert err["code"] == "forbidden" and "loopback" in err["message"], err
+            assert remote.call("models")["ok"] and remote.call("tokenize", text="hi")["ok"]
+            assert local.call("add_model", name="bert", source=str(BERT_DIR))["ok"]
+        finally:
+            remote.close()
