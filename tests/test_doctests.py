@@ -16,7 +16,7 @@ def _modules() -> list[str]:
     names = ["tokenbroker"]
     for package in ("tokenbroker", "tokenbroker.broker", "tokenbroker.common", "tokenbroker.workers"):
         path = importlib.import_module(package).__path__
-        for info in pkgutil.iter_modules(path, package + "."):
+        for info in pkgutil.walk_packages(path, package + "."):  # subpackages too (workers.cache, workers.count)
             if info.name != "tokenbroker.__main__" and info.name not in names:
                 names.append(info.name)
     return sorted(names)
