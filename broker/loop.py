@@ -19,13 +19,13 @@ from typing import Callable
 import zmq
 
 from tokenbroker import __version__
-from tokenbroker.common.config import BrokerConfig
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import ADMIN_OPS, MAX_DEADLINE_MS, SKIPPED, error_reply, ok_reply, req, unpack
 
 from .affinity import route_key
 from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
 from .catalog import FAILED, LOADING, WORKER, Catalog, CatalogError, Entry, add_model_spec
+from .config import BrokerConfig
 from .dispatch import Dispatcher, Job
 from .frontend import Frontend, Incoming
 from .metrics import PoolMetrics
