@@ -19,18 +19,19 @@ from typing import Callable
 import zmq
 
 from tokenbroker import __version__
-from tokenbroker.common.config import BrokerConfig
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import ADMIN_OPS, MAX_DEADLINE_MS, SKIPPED, error_reply, ok_reply, req, unpack
 
 from .affinity import route_key
 from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
 from .catalog import FAILED, LOADING, WORKER, Catalog, CatalogError, Entry, add_model_spec
+from .config import BrokerConfig
 from .dispatch import Dispatcher, Job
 from .frontend import Frontend, Incoming
 from .metrics import PoolMetrics
 from .placement import Load, Placement
 from .router import Router
+from .snapshot import ModelView, PoolSnapshot, WorkerView
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -377,27 +378,27 @@ class Broker:
             self.deadlines = [(j.deadline, j.job_id) for j in self.jobs.values() if not j.answered]
             heapq.heapify(self.deadlines)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> PoolSnapshot:
         """What the exporter shows, copied so the HTTP thread never reads live structures."""
-        return {
-            "queue_depth": self.dispatcher.waiting,
-            "held": len(self.jobs),
-            "restarts": self.supervisor.restarts,
-            "workers": [
-                {
-                    "name": w.name,
-                    "host": w.ready.host,
-                    "pid": w.ready.pid,
-                    "state": "draining" if w.draining else ("busy" if self.dispatcher.holds(w.wid) else "idle"),
-                    "in_flight": self.dispatcher.holds(w.wid),
-                    "capacity": w.ready.capacity,
-                    "report": w.report,
-                }
+        return PoolSnapshot(
+            queue_depth=self.dispatcher.waiting,
+            held=len(self.jobs),
+            restarts=self.supervisor.restarts,
+            workers=tuple(
+                WorkerView(
+                    name=w.name,
+                    host=w.ready.host,
+                    pid=w.ready.pid,
+                    state="draining" if w.draining else ("busy" if self.dispatcher.holds(w.wid) else "idle"),
+                    in_flight=self.dispatcher.holds(w.wid),
+                    capacity=w.ready.capacity,
+                    report=w.report,
+                )
                 for w in self.backend.workers.values()
-            ],
-            "router": self.router.stats(),
-            "models": self._model_snapshot(),
-        }
+            ),
+            router=self.router.stats(),
+            models=self._model_snapshot(),
+        )
 
     # --- the model catalog (docs/protocol.md "The model catalog") ----------------------
 
@@ -530,11 +531,11 @@ class Broker:
             else:
                 self.backend.send_unload(action.wid, action.model)
 
-    def _model_snapshot(self) -> dict:
+    def _model_snapshot(self) -> dict[str, ModelView]:
         replicas = self.placement.replicas()
         loading = {m for h in self.placement.workers.values() for m in h.loading}
-        return {e.name: {"state": e.state, "replicas": replicas.get(e.name, 0), "loading": e.name in loading,
-                         "queued": self.dispatcher.demand.get(e.name, 0)}
+        return {e.name: ModelView(state=e.state, replicas=replicas.get(e.name, 0), loading=e.name in loading,
+                                  queued=self.dispatcher.demand.get(e.name, 0))
                 for e in self.catalog.entries.values() if not e.removing}
 
     # --- stop --------------------------------------------------------------------------

@@ -10,9 +10,10 @@ import tempfile
 
 import zmq
 
-from tokenbroker.common.config import BrokerConfig, model_argv
+from tokenbroker.common.config import model_argv
 
 from .backend import Backend
+from .config import BrokerConfig
 from .frontend import Frontend
 from .loop import Broker, BootFailed, install_signal_wakeup
 from .metrics import PoolMetrics

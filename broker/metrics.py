@@ -1,7 +1,7 @@
 """Prometheus exporter for the pool: request counts and latency, pool gauges, and the workers' cache counters.
 
-The loop calls the event methods and `publish()`s a snapshot each turn; scrapes run on the HTTP
-thread and read only that snapshot (never live loop structures). Workers send cumulative counters
+The loop calls the event methods and `publish()`s a PoolSnapshot (broker/snapshot.py) each turn;
+scrapes run on the HTTP thread and read only that snapshot (never live loop structures). Workers send cumulative counters
 per incarnation (one worker process) with their heartbeats; `Ledger` keeps the highest seen per
 incarnation, so a repeated or late report does no harm and a departed worker's counts stay in the
 totals while its gauges go: counters never fall. docs/metrics.md lists the series and the queries.
@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from tokenbroker.common.process import resident_bytes
+
+from .snapshot import ModelView, PoolSnapshot, WorkerView
 
 __all__ = ["PoolMetrics", "PoolCollector", "Ledger", "LATENCY_BUCKETS", "CACHE_LAYERS"]
 
@@ -113,19 +115,18 @@ class PoolCollector:
 
     def collect(self) -> Iterator[Metric]:
         snapshot, totals = self._metrics.read()
-        workers = [w for w in snapshot.get("workers", []) if isinstance(w, Mapping)]
-        yield from _cache_families(workers, totals)
-        yield from _pool_families(snapshot, workers, totals)
-        yield from _process_families(workers, self._metrics.started)
-        yield from _router_families(snapshot.get("router") or {})
+        yield from _cache_families(snapshot.workers, totals)
+        yield from _pool_families(snapshot, totals)
+        yield from _process_families(snapshot.workers, self._metrics.started)
+        yield from _router_families(snapshot.router)
         yield from self._metrics.request_families()
-        yield from self._metrics.model_families(snapshot.get("models") or {})
+        yield from self._metrics.model_families(snapshot.models)
 
 
-def _layer_sizes(workers: list[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+def _layer_sizes(workers: Iterable[WorkerView]) -> dict[str, dict[str, int]]:
     sizes = {layer: dict.fromkeys(CACHE_GAUGES, 0) for layer in CACHE_LAYERS}
     for w in workers:
-        caches = (w.get("report") or {}).get("caches")
+        caches = w.report.get("caches")
         if not isinstance(caches, Mapping):
             continue
         for layer in CACHE_LAYERS:
@@ -135,7 +136,7 @@ def _layer_sizes(workers: list[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
     return sizes
 
 
-def _cache_families(workers: list[Mapping[str, Any]], totals: Mapping[str, int]) -> Iterator[Metric]:
+def _cache_families(workers: Iterable[WorkerView], totals: Mapping[str, int]) -> Iterator[Metric]:
     """The series operators already query (smg_*), then the pool's own cache gauges."""
     lookups = CounterMetricFamily("smg_tokenizer_cache_lookups", "Tokenizer cache lookups, all tokenizers and workers; an L0 hit never reaches L1",
                                   labels=["layer", "result"])
@@ -157,28 +158,28 @@ def _cache_families(workers: list[Mapping[str, Any]], totals: Mapping[str, int])
     yield from (entries, charged)
 
 
-def _pool_families(snapshot: Mapping[str, Any], workers: list[Mapping[str, Any]], totals: Mapping[str, int]) -> Iterator[Metric]:
-    yield GaugeMetricFamily("tokenbroker_queue_depth", "Requests waiting for a worker", value=_int(snapshot.get("queue_depth")))
+def _pool_families(snapshot: PoolSnapshot, totals: Mapping[str, int]) -> Iterator[Metric]:
+    workers = snapshot.workers
+    yield GaugeMetricFamily("tokenbroker_queue_depth", "Requests waiting for a worker", value=snapshot.queue_depth)
     yield GaugeMetricFamily("tokenbroker_requests_held", "Requests received and not yet answered (queued or at a worker)",
-                            value=_int(snapshot.get("held")))
-    yield CounterMetricFamily("tokenbroker_worker_restarts", "Local workers restarted after an exit", value=_int(snapshot.get("restarts")))
+                            value=snapshot.held)
+    yield CounterMetricFamily("tokenbroker_worker_restarts", "Local workers restarted after an exit", value=snapshot.restarts)
     yield CounterMetricFamily("tokenbroker_worker_jobs", "Jobs workers finished, all workers ever", value=totals.get("served", 0))
     states = GaugeMetricFamily("tokenbroker_workers", "Connected workers by state", labels=["state"])
     for state in WORKER_STATES:
-        states.add_metric([state], sum(1 for w in workers if w.get("state") == state))
+        states.add_metric([state], sum(1 for w in workers if w.state == state))
     yield states
     in_flight = GaugeMetricFamily("tokenbroker_worker_in_flight", "Jobs a worker holds now", labels=["worker"])
     capacity = GaugeMetricFamily("tokenbroker_worker_capacity", "Jobs a worker takes at once", labels=["worker"])
     info = GaugeMetricFamily("tokenbroker_worker_info", "A connected worker: its host and pid", labels=["worker", "host", "pid"])
     for w in workers:
-        name = str(w.get("name", ""))
-        in_flight.add_metric([name], _int(w.get("in_flight")))
-        capacity.add_metric([name], _int(w.get("capacity")))
-        info.add_metric([name, str(w.get("host", "")), str(w.get("pid", ""))], 1)
+        in_flight.add_metric([w.name], w.in_flight)
+        capacity.add_metric([w.name], w.capacity)
+        info.add_metric([w.name, w.host, str(w.pid)], 1)
     yield from (in_flight, capacity, info)
 
 
-def _process_families(workers: list[Mapping[str, Any]], started: float) -> Iterator[Metric]:
+def _process_families(workers: Iterable[WorkerView], started: float) -> Iterator[Metric]:
     """Resident memory per process, and the pool's total as smg_allocator_allocated_bytes."""
     memory = GaugeMetricFamily("tokenbroker_process_resident_memory_bytes", "Resident memory of the broker and of each live worker (from its last heartbeat)",
                                labels=["process"])
@@ -186,9 +187,9 @@ def _process_families(workers: list[Mapping[str, Any]], started: float) -> Itera
     memory.add_metric(["broker"], own)
     total = own
     for w in workers:
-        rss = _int((w.get("report") or {}).get("rss"))
+        rss = _int(w.report.get("rss"))
         if rss:  # none before the worker's first heartbeat: unknown, not zero
-            memory.add_metric([str(w.get("name", ""))], rss)
+            memory.add_metric([w.name], rss)
             total += rss
     yield memory
     yield GaugeMetricFamily("smg_allocator_allocated_bytes", "Memory the pool holds: resident memory of the broker and its live workers",
@@ -196,14 +197,14 @@ def _process_families(workers: list[Mapping[str, Any]], started: float) -> Itera
     yield GaugeMetricFamily("tokenbroker_start_time_seconds", "When the broker started, in seconds since the Unix epoch", value=started)
 
 
-def _router_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
+def _router_families(stats: Mapping[str, int]) -> Iterator[Metric]:
     picks = CounterMetricFamily("tokenbroker_router_picks", "Jobs routed, by how the worker was chosen", labels=["how"])
     for key, how in ROUTER_PICKS.items():
-        picks.add_metric([how], _int(stats.get(key)))
+        picks.add_metric([how], stats.get(key, 0))
     yield picks
-    yield CounterMetricFamily("tokenbroker_router_full", "Routing attempts that found every worker full", value=_int(stats.get("full")))
+    yield CounterMetricFamily("tokenbroker_router_full", "Routing attempts that found every worker full", value=stats.get("full", 0))
     yield GaugeMetricFamily("tokenbroker_router_index_entries", "Prefix blocks in the router's affinity index",
-                            value=_int(stats.get("index_entries")))
+                            value=stats.get("index_entries", 0))
 
 
 def _cumulative(bounds: tuple[float, ...], counts: list[float]) -> list[tuple[str, float]]:
@@ -232,7 +233,7 @@ class PoolMetrics:
         for sock in ("frontend", "backend"):
             self.auth_failures.labels(sock)  # both series exist from the start, at 0
         self.started = time.time()
-        self._snapshot: dict = {}
+        self._snapshot = PoolSnapshot()
         self._ledger = Ledger(retired_keep)
         self._lock = threading.Lock()
         self._server: Any = None
@@ -280,14 +281,13 @@ class PoolMetrics:
     def model_load_failed(self, model: str) -> None:
         self._load_failures[model] = self._load_failures.get(model, 0) + 1
 
-    def model_families(self, models: Mapping[str, Any]) -> Iterator[Metric]:
+    def model_families(self, models: Mapping[str, ModelView]) -> Iterator[Metric]:
         """Per model: replicas now (from the snapshot), loads and their duration, failures, requests."""
         replicas = GaugeMetricFamily("tokenbroker_model_replicas", "Workers holding a catalog model loaded", labels=["model"])
         queued = GaugeMetricFamily("tokenbroker_model_queued", "Requests queued for a catalog model", labels=["model"])
         for name, m in sorted(models.items()):
-            if isinstance(m, Mapping):
-                replicas.add_metric([str(name)], _int(m.get("replicas")))
-                queued.add_metric([str(name)], _int(m.get("queued")))
+            replicas.add_metric([name], m.replicas)
+            queued.add_metric([name], m.queued)
         yield from (replicas, queued)
         loads = HistogramMetricFamily("tokenbroker_model_load_seconds", "Tokenizer loads a worker finished, by model, and how long each took",
                                       labels=["model"])
@@ -319,22 +319,20 @@ class PoolMetrics:
         with self._lock:
             self._ledger.observe(last_report or {})
 
-    def publish(self, snapshot: dict) -> None:
+    def publish(self, snapshot: PoolSnapshot) -> None:
         """Called every loop turn: only swaps a reference; scrapes do the work."""
         self._snapshot = snapshot
 
     # --- read by scrapes (HTTP thread) -------------------------------------------------
 
-    def read(self) -> tuple[dict, dict[str, int]]:
+    def read(self) -> tuple[PoolSnapshot, dict[str, int]]:
         """The last snapshot and the worker counter totals, its live reports folded into the ledger."""
         snapshot = self._snapshot  # one reference read: the loop replaces, never mutates, a published snapshot
         live = []
         with self._lock:
-            for w in snapshot.get("workers", []):
-                report = w.get("report") if isinstance(w, Mapping) else None
-                if isinstance(report, Mapping):
-                    self._ledger.observe(report)
-                    live.append(report.get("incarnation"))
+            for w in snapshot.workers:
+                self._ledger.observe(w.report)
+                live.append(w.report.get("incarnation"))
             totals = self._ledger.totals(x for x in live if isinstance(x, str))
         return snapshot, totals
 

@@ -42,8 +42,9 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from tokenbroker.common.config import BrokerConfig, CurveConfig
 from tokenbroker.common.curve import CurveKeyError, load_key_pair, load_public_key
+
+from .config import BrokerConfig, CurveConfig
 
 __all__ = ["SecurityError", "BrokerSecurity", "is_local_endpoint", "check_config", "load_key_folder",
            "FRONTEND", "BACKEND"]

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from tokenbroker.common.protocol import EXIT_BOOT_ERROR, PARENT_PID_ENV
+from tokenbroker.common.process import EXIT_BOOT_ERROR, ONE_THREAD_ENV, PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class Supervisor:
         self.generation += 1
         name = f"{self.name_prefix}-{slot}.{self.generation}"
         argv = [sys.executable, "-m", "tokenbroker", "worker", "--connect", self.connect, "--name", name, *self.worker_argv]
-        env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        env = {**os.environ, **ONE_THREAD_ENV}
         env[PARENT_PID_ENV] = str(os.getpid())  # the worker leaves when its broker is gone, even by SIGKILL
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         child = Child(slot, name, proc, time.monotonic())

@@ -1,1 +1,1 @@
-"""What the broker and the workers share: the wire protocol, configuration and errors."""
+"""What the broker and the workers share: the wire protocol, the model configuration, CURVE keys, process facts and errors."""

@@ -1,14 +1,14 @@
-"""Configuration: one dataclass per concern, built from argv once and passed down.
+"""What the broker and its workers both read: the models, their caches and limits, and their flags.
 
 The `serve` and `worker` command lines share the model and cache flags (docs/protocol.md,
 "Starting it"); `model_argv()` turns a parsed ModelConfig back into those flags so the supervisor
-can start local workers with exactly what the operator gave.
+can start local workers with exactly what the operator gave. Each side's own configuration lives
+with it: broker/config.py, workers/config.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
 EMBEDDED_DEFAULT = "embedded:deepseek"
@@ -16,6 +16,9 @@ EMBEDDED_DEFAULT_NAME = "deepseek"
 DEFAULT_ALIAS = "default"
 
 MiB = 1024 * 1024
+
+# The broker's frontend, where clients connect unless told otherwise (docs/protocol.md, "Sockets").
+DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class CacheConfig:
     l0_max_entries: int = 10000
     l0_max_bytes: int = 256 * MiB
     l1_enabled: bool = False
-    l1_max_memory: int = 52428800
+    l1_max_memory: int = 50 * MiB
 
 
 @dataclass(frozen=True)
@@ -62,73 +65,20 @@ class ModelConfig:
         return self.models[0]
 
 
-@dataclass(frozen=True)
-class CurveConfig:
-    """The broker's CURVE flags (docs/security.md); all None: no CURVE."""
-
-    secret_key: str | None = None
-    clients: str | None = None
-    workers: str | None = None
-    admins: str | None = None
-    insecure: bool = False
-
-
-@dataclass(frozen=True)
-class BrokerConfig:
-    frontend: str = "tcp://127.0.0.1:5555"
-    backend: str | None = None  # None: an ipc:// path in a private runtime dir
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 9464
-    workers: int = 1
-    request_timeout_ms: int = 30000
-    max_request_bytes: int = 32 * MiB
-    max_pending: int = 4096
-    max_pending_bytes: int = 1024 * MiB  # payload bytes held at once (queued and in flight)
-    max_client_pending: int = 1024  # requests one client connection may have held at once
-    balance_factor: float = 1.25
-    balance_margin: int = 2
-    spill_wait_ms: int = 20  # a job waits this long for its full (but not overloaded) preferred worker
-    worker_max_bytes: int = 1 * MiB  # payload bytes a worker holds before it gets more (past its first job)
-    worker_capacity: int = 64  # jobs each local worker holds at once
-    routing: str = "affinity"  # or "least-loaded": no affinity keys at all (for comparison and debugging)
-    models: ModelConfig = field(default_factory=lambda: ModelConfig(models=(ModelSpec(EMBEDDED_DEFAULT_NAME, EMBEDDED_DEFAULT),)))
-    curve: CurveConfig = field(default_factory=CurveConfig)  # broker/security.py reads it
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    connect: str
-    models: ModelConfig
-    capacity: int = 64  # jobs held at once: a pipeline deep enough that the worker never waits for the broker
-    name: str | None = None
-    curve_server_key: str | None = None  # the broker's public .key (common/curve.py)
-    curve_secret_key: str | None = None  # this worker's own .key_secret
-
-
 # --- argv --------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _factor(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value >= 1.0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 1.0, got {text}")
     return value
 
 
@@ -137,20 +87,6 @@ def _pair(text: str) -> tuple[str, str]:
     if not sep or not name or not value:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
     return name, value
-
-
-def _workers(text: str) -> int:
-    if text == "auto":
-        return usable_cores()
-    return _non_negative_int(text)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (affinity and cgroup-pinned sets), not the host's count."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -168,16 +104,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="send model names matching GLOB (only '*', anchored) to the loaded model NAME")
     c = p.add_argument_group("caches")
     c.add_argument("--tokenizer-cache-enable-l0", action="store_true")
-    c.add_argument("--tokenizer-cache-l0-max-entries", type=_positive_int, default=CacheConfig.l0_max_entries)
-    c.add_argument("--tokenizer-cache-l0-max-bytes", type=_positive_int, default=CacheConfig.l0_max_bytes)
+    c.add_argument("--tokenizer-cache-l0-max-entries", type=positive_int, default=CacheConfig.l0_max_entries)
+    c.add_argument("--tokenizer-cache-l0-max-bytes", type=positive_int, default=CacheConfig.l0_max_bytes)
     c.add_argument("--tokenizer-cache-enable-l1", action="store_true")
-    c.add_argument("--tokenizer-cache-l1-max-memory", type=_positive_int, default=CacheConfig.l1_max_memory)
-    g.add_argument("--max-models-per-worker", type=_non_negative_int, default=0, metavar="N",
+    c.add_argument("--tokenizer-cache-l1-max-memory", type=positive_int, default=CacheConfig.l1_max_memory)
+    g.add_argument("--max-models-per-worker", type=non_negative_int, default=0, metavar="N",
                    help="a worker holds at most N tokenizers, loaded on demand (0: every worker loads every model)")
     lim = p.add_argument_group("limits")
-    lim.add_argument("--max-batch-items", type=_positive_int, default=Limits.max_batch_items,
+    lim.add_argument("--max-batch-items", type=positive_int, default=Limits.max_batch_items,
                      help="texts (or id sequences) one batch request may hold; more is answered too_large")
-    lim.add_argument("--max-reply-bytes", type=_positive_int, default=Limits.max_reply_bytes,
+    lim.add_argument("--max-reply-bytes", type=positive_int, default=Limits.max_reply_bytes,
                      help="a reply larger than this is answered too_large instead")
 
 
@@ -256,84 +192,3 @@ def model_argv(m: ModelConfig) -> list[str]:
         "--max-models-per-worker", str(m.max_models),
     ]
     return argv
-
-
-def add_serve_flags(p: argparse.ArgumentParser) -> None:
-    add_model_flags(p)
-    d = BrokerConfig()
-    p.add_argument("--workers", type=_workers, default=d.workers, metavar="N|auto",
-                   help="local worker processes (auto: the cores this process may use)")
-    p.add_argument("--frontend", default=d.frontend)
-    p.add_argument("--backend", default=None, help="default: ipc:// in a private runtime dir; tcp://HOST:PORT lets remote workers join")
-    p.add_argument("--metrics-host", default=d.metrics_host)
-    p.add_argument("--metrics-port", type=_non_negative_int, default=d.metrics_port, help="0 turns the exporter off")
-    p.add_argument("--request-timeout-ms", type=_positive_int, default=d.request_timeout_ms)
-    p.add_argument("--max-request-bytes", type=_positive_int, default=d.max_request_bytes)
-    p.add_argument("--max-pending", type=_positive_int, default=d.max_pending,
-                   help="queued requests beyond this are answered overloaded")
-    p.add_argument("--max-pending-bytes", type=_positive_int, default=d.max_pending_bytes,
-                   help="payload bytes held (queued and in flight) beyond this are answered overloaded")
-    p.add_argument("--max-client-pending", type=_positive_int, default=d.max_client_pending,
-                   help="requests one client connection may have held at once; more are answered overloaded")
-    p.add_argument("--balance-factor", type=_factor, default=d.balance_factor,
-                   help="a worker above mean*factor and mean+margin in-flight jobs is passed over")
-    p.add_argument("--balance-margin", type=_non_negative_int, default=d.balance_margin)
-    p.add_argument("--spill-wait-ms", type=_non_negative_int, default=d.spill_wait_ms,
-                   help="how long a job waits for its busy preferred worker before going to another (0: never waits)")
-    p.add_argument("--worker-capacity", type=_positive_int, default=d.worker_capacity,
-                   help="jobs each local worker holds at once: deep enough that it never waits for the broker")
-    p.add_argument("--worker-max-bytes", type=_positive_int, default=d.worker_max_bytes,
-                   help="payload bytes a worker may hold before it is sent more (a huge request holds up its own worker only)")
-    p.add_argument("--routing", choices=("affinity", "least-loaded"), default=d.routing,
-                   help="affinity: keep a conversation's prefixes on one worker; least-loaded: ignore keys")
-    s = p.add_argument_group("security (docs/security.md)")
-    s.add_argument("--curve-secret-key", metavar="FILE", help="the broker's .key_secret: CURVE on the frontend and a tcp:// backend")
-    s.add_argument("--curve-clients", metavar="DIR", help="admit only clients whose public .key is in DIR (default: any key)")
-    s.add_argument("--curve-workers", metavar="DIR", help="admit only workers whose public .key is in DIR (required for a tcp:// backend)")
-    s.add_argument("--curve-admins", metavar="DIR", help="public .key files of the clients allowed the admin ops")
-    s.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without CURVE")
-
-
-def broker_config_from_args(a: argparse.Namespace) -> BrokerConfig:
-    return BrokerConfig(
-        frontend=a.frontend,
-        backend=a.backend,
-        metrics_host=a.metrics_host,
-        metrics_port=a.metrics_port,
-        workers=a.workers,
-        request_timeout_ms=a.request_timeout_ms,
-        max_request_bytes=a.max_request_bytes,
-        max_pending=a.max_pending,
-        max_pending_bytes=a.max_pending_bytes,
-        max_client_pending=a.max_client_pending,
-        balance_factor=a.balance_factor,
-        balance_margin=a.balance_margin,
-        routing=a.routing,
-        spill_wait_ms=a.spill_wait_ms,
-        worker_max_bytes=a.worker_max_bytes,
-        worker_capacity=a.worker_capacity,
-        models=model_config_from_args(a),
-        curve=CurveConfig(a.curve_secret_key, a.curve_clients, a.curve_workers, a.curve_admins, a.insecure),
-    )
-
-
-def add_worker_flags(p: argparse.ArgumentParser) -> None:
-    add_model_flags(p)
-    p.add_argument("--connect", required=True, help="the broker's backend endpoint")
-    p.add_argument("--capacity", type=_positive_int, default=WorkerConfig.capacity,
-                   help="jobs the worker holds at once")
-    p.add_argument("--name", default=None, help="worker name shown in replies and metrics")
-    p.add_argument("--curve-server-key", metavar="FILE", help="the broker's public .key: connect with CURVE")
-    p.add_argument("--curve-secret-key", metavar="FILE", help="this worker's own .key_secret (its .key is in the broker's --curve-workers)")
-
-
-def worker_config_from_args(a: argparse.Namespace) -> WorkerConfig:
-    from .curve import CurveKeyError, load_client_keys
-
-    try:  # a missing or malformed key file stops the worker here, before it loads a tokenizer
-        if a.curve_server_key or a.curve_secret_key:
-            load_client_keys(a.curve_server_key, a.curve_secret_key, own_key_required=True)
-    except CurveKeyError as e:
-        raise SystemExit(f"tokenbroker: {e}") from None
-    return WorkerConfig(connect=a.connect, models=model_config_from_args(a), capacity=a.capacity, name=a.name,
-                        curve_server_key=a.curve_server_key, curve_secret_key=a.curve_secret_key)

@@ -1,8 +1,32 @@
-"""Facts about this process that both sides report: the broker in its exporter, workers in heartbeats."""
+"""What a worker process and the broker that starts it agree on outside the wire, and facts about
+this process that both sides report (the broker in its exporter, workers in heartbeats)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
+
+# Set by the supervisor for local workers: the broker's pid, so a worker whose broker died leaves.
+PARENT_PID_ENV = "TOKENBROKER_PARENT_PID"
+
+# Worker process exit code when its tokenizers cannot be loaded: not a crash, never respawned.
+EXIT_BOOT_ERROR = 3
+
+# One worker uses one core: the tokenizers library's thread pool must not fan out. Read when
+# tokenizers is first imported, so set before that: by the supervisor in a local worker's
+# environment, and by the worker itself (use_one_thread) when started some other way.
+ONE_THREAD_ENV: Mapping[str, str] = MappingProxyType({
+    "RAYON_NUM_THREADS": "1",
+    "RAYON_RS_NUM_CPUS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+})
+
+
+def use_one_thread() -> None:
+    """Keep this process's tokenizers to one thread, unless its environment already says otherwise."""
+    for name, value in ONE_THREAD_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def resident_bytes() -> int:

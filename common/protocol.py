@@ -62,12 +62,6 @@ MAX_NAME_CHARS = 128  # a worker's name, as shown in replies and metric labels
 # Deadlines beyond this (about 24.8 days) are taken as this: any int > 0 is valid on the wire.
 MAX_DEADLINE_MS = 2**31 - 1
 
-# Set by the supervisor for local workers: the broker's pid, so a worker whose broker died leaves.
-PARENT_PID_ENV = "TOKENBROKER_PARENT_PID"
-
-# Worker process exit code when its tokenizers cannot be loaded: not a crash, never respawned.
-EXIT_BOOT_ERROR = 3
-
 
 def pack_jobs(jobs: list[tuple[int, int, bytes]]) -> list[bytes]:
     """A B_JOBS message for (job id, budget ms, payload) triples.

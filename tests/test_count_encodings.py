@@ -11,7 +11,7 @@ import hashlib
 import pytest
 import tiktoken
 
-from tokenbroker.workers.count_encodings import RANK_FILES, local_encoding, tiktoken_cache_dir, where_to_put
+from tokenbroker.workers.count.encodings import RANK_FILES, local_encoding, tiktoken_cache_dir, where_to_put
 
 
 @pytest.mark.parametrize("name", sorted(RANK_FILES))

@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 
 from helpers import deepseek_tokenizer
 from tokenbroker.workers.count import CountResult, count_request
-from tokenbroker.workers.count_detect import detect_format
-from tokenbroker.workers.count_images import anthropic_image_tokens, gemini_image_tokens, image_size, openai_image_tokens
-from tokenbroker.workers.count_walk import Notes, Walk
-from tokenbroker.workers.modelmap import TokenizerMap
+from tokenbroker.workers.count.detect import detect_format
+from tokenbroker.workers.count.images import anthropic_image_tokens, gemini_image_tokens, image_size, openai_image_tokens
+from tokenbroker.workers.count.json_writer import Notes, Walk
+from tokenbroker.workers.tokenizer_map import TokenizerMap
 
 Encoder = Callable[[str], int]
 

@@ -17,6 +17,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenbroker.broker.metrics import CACHE_LAYERS, PoolMetrics
+from tokenbroker.broker.snapshot import PoolSnapshot, WorkerView
 
 PROMTOOL = shutil.which("promtool")
 
@@ -28,13 +29,12 @@ def report(incarnation: str, *, served: int = 0, rss: int = 0, **layers: dict) -
     return {"incarnation": incarnation, "pid": 1, "rss": rss, "served": served, "caches": caches}
 
 
-def worker(name: str, rep: dict, *, state: str = "idle", in_flight: int = 0) -> dict:
-    return {"name": name, "host": "h", "pid": rep.get("pid", 0), "state": state, "in_flight": in_flight,
-            "capacity": 4, "report": rep}
+def worker(name: str, rep: dict, *, state: str = "idle", in_flight: int = 0) -> WorkerView:
+    return WorkerView(name=name, host="h", pid=rep.get("pid", 0), state=state, in_flight=in_flight, capacity=4, report=rep)
 
 
-def snapshot(*workers: dict, restarts: int = 0) -> dict:
-    return {"queue_depth": 0, "held": 0, "restarts": restarts, "workers": list(workers), "router": {}}
+def snapshot(*workers: WorkerView, restarts: int = 0) -> PoolSnapshot:
+    return PoolSnapshot(restarts=restarts, workers=workers)
 
 
 def scrape(m: PoolMetrics) -> dict[tuple[str, frozenset], float]:

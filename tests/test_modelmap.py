@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbroker.workers.modelmap import TokenizerMap, normalise_openai_model, openai_encoding_for
+from tokenbroker.workers.count.openai_families import normalise_openai_model, openai_encoding_for
+from tokenbroker.workers.tokenizer_map import TokenizerMap
 
 
 def test_the_glob_with_the_most_literal_characters_wins_whatever_the_order() -> None:

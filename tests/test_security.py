@@ -20,7 +20,7 @@ from tokenbroker.broker.security import (
     load_key_folder,
 )
 from tokenbroker.cli import main as cli_main
-from tokenbroker.common.config import BrokerConfig, CurveConfig
+from tokenbroker.broker.config import BrokerConfig, CurveConfig
 from tokenbroker.common.curve import CurveKeyError, apply_client_curve, load_client_keys, load_key_pair, load_public_key
 from tokenbroker.keys import create_key_pair
 

@@ -7,7 +7,8 @@ import json
 import sys
 from typing import Any, Sequence
 
-from tokenbroker.common import config as cfg
+from tokenbroker.broker.config import add_serve_flags, broker_config_from_args
+from tokenbroker.workers.config import add_worker_flags, worker_config_from_args
 
 
 def _client_parser(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
@@ -21,8 +22,8 @@ def _client_parser(sub: argparse._SubParsersAction, name: str, help: str) -> arg
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenbroker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    cfg.add_serve_flags(sub.add_parser("serve", help="run the broker and its local workers"))
-    cfg.add_worker_flags(sub.add_parser("worker", help="run one worker that joins a broker's backend"))
+    add_serve_flags(sub.add_parser("serve", help="run the broker and its local workers"))
+    add_worker_flags(sub.add_parser("worker", help="run one worker that joins a broker's backend"))
     p = _client_parser(sub, "tokenize", "print the token ids of TEXT as JSON")
     p.add_argument("text")
     p.add_argument("--no-special-tokens", action="store_true", help="add_special_tokens=false")
@@ -69,11 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         from tokenbroker.broker.main import serve
 
-        return serve(cfg.broker_config_from_args(args))
+        return serve(broker_config_from_args(args))
     if args.command == "worker":
         from tokenbroker.workers.main import serve as serve_worker
 
-        return serve_worker(cfg.worker_config_from_args(args))
+        return serve_worker(worker_config_from_args(args))
     if args.command == "tokenize":
         return _call(args, "tokenize", text=args.text, add_special_tokens=not args.no_special_tokens)
     if args.command == "detokenize":

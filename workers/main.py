@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import os
 
-# One worker uses one core: the tokenizers library's thread pool must not fan out (set before import).
-os.environ.setdefault("RAYON_NUM_THREADS", "1")
-os.environ.setdefault("RAYON_RS_NUM_CPUS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from tokenbroker.common.process import EXIT_BOOT_ERROR, PARENT_PID_ENV, resident_bytes, use_one_thread
+
+use_one_thread()  # before tokenizers is first imported (common/process.py)
 
 import logging
 import signal
@@ -35,20 +34,16 @@ import uuid
 
 import zmq
 
-from tokenbroker.common.config import WorkerConfig
 from tokenbroker.common.curve import apply_client_curve
 from tokenbroker.common.errors import BootError
-from tokenbroker.common.process import resident_bytes
 from tokenbroker.common.protocol import (
     B_HEARTBEAT,
     B_JOBS,
     B_LOAD,
     B_RESET,
     B_UNLOAD,
-    EXIT_BOOT_ERROR,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
-    PARENT_PID_ENV,
     PROTOCOL_VERSION,
     W_BYE,
     W_HEARTBEAT,
@@ -60,6 +55,7 @@ from tokenbroker.common.protocol import (
     unpack_jobs,
 )
 
+from .config import WorkerConfig
 from .loader import Catalog, Loader
 from .ops import Ops, PendingJob
 from .registry import ModelRegistry

@@ -11,7 +11,7 @@ import sys
 import time
 from array import array
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import (
@@ -27,8 +27,9 @@ from tokenbroker.common.protocol import (
     type_name,
 )
 
+from .cache import CacheOutcome
 from .count import count_request
-from .registry import CacheTally, ModelRegistry, WorkerCountEnv
+from .registry import Model, ModelRegistry
 from .tokenizers import InvalidTokenId
 
 log = logging.getLogger(__name__)
@@ -296,3 +297,62 @@ def _ids(value: list | bytes, field: str) -> list[int]:
         if type(t) is not int:
             raise ProtocolError("bad_request", f"field '{field}[{i}]' must be int, got {type_name(t)}")
     return value
+
+
+# --- what ops lend: the reply's cache map, the counting ladder's encoders ------------------------
+
+
+class CacheTally:
+    """Folds the cache outcomes of a request's encodes into its reply `cache` map.
+
+    L0 is "off" when it is configured off (every model shares one cache config), "hit" only when
+    every lookup hit, and "miss" otherwise, also for a request that looked nothing up.
+    """
+
+    def __init__(self, l0_enabled: bool) -> None:
+        self.l0_enabled = l0_enabled
+        self.lookups = 0
+        self.l0_hits = 0
+        self.l1_reused = 0
+
+    def add(self, outcome: CacheOutcome) -> None:
+        self.lookups += 1
+        self.l0_hits += outcome.l0 == "hit"
+        self.l1_reused += outcome.l1_reused_tokens
+
+    def to_wire(self) -> dict:
+        if not self.l0_enabled:
+            l0 = "off"
+        else:
+            l0 = "hit" if self.lookups and self.l0_hits == self.lookups else "miss"
+        return {"l0": l0, "l1_reused_tokens": self.l1_reused}
+
+
+class WorkerCountEnv:
+    """The counting ladder's view of this worker: every rung encodes through a model's cache."""
+
+    def __init__(self, registry: ModelRegistry, tally: CacheTally) -> None:
+        self._registry = registry
+        self._tally = tally
+
+    def _encoder(self, model: Model) -> Callable[[str], int]:
+        def encode(text: str) -> int:
+            ids, outcome = model.cache.encode(text, False)
+            self._tally.add(outcome)
+            return len(ids)
+
+        return encode
+
+    def tiktoken(self, encoding: str) -> Callable[[str], int] | None:
+        model = self._registry.encoding(encoding)
+        return self._encoder(model) if model is not None else None
+
+    def loaded(self, model: str) -> tuple[str, str, Callable[[str], int]] | None:
+        found = self._registry.find(model)
+        if found is None:
+            return None
+        return found.name, found.tokenizer.kind, self._encoder(found)
+
+    def fallback(self) -> tuple[str, Callable[[str], int]] | None:
+        model = self._registry.fallback()
+        return (model.name, self._encoder(model)) if model is not None else None

@@ -14,17 +14,16 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from tokenbroker.common.config import DEFAULT_ALIAS, EMBEDDED_DEFAULT, EMBEDDED_DEFAULT_NAME, CacheConfig, Limits, ModelConfig, ModelSpec
 from tokenbroker.common.errors import BootError, ProtocolError
 from tokenbroker.common.protocol import MAX_SPECIAL_TOKENS, ModelInfo
 
-from .cache import CacheOutcome, TokenCache
+from .cache import TokenCache
 from .chat import ChatRenderer, ChatTemplates, discover_chat_templates, special_tokens_from_config
-from .count_encodings import local_encoding, where_to_put
-from .modelmap import TokenizerMap
+from .count.encodings import local_encoding, where_to_put
 from .stream import StreamDecoder
+from .tokenizer_map import TokenizerMap
 from .tokenizers import Tokenizer, load_tokenizer, wrap_encoding
 
 log = logging.getLogger(__name__)
@@ -105,32 +104,6 @@ class Model:
         }
 
 
-class CacheTally:
-    """Folds the cache outcomes of a request's encodes into its reply `cache` map.
-
-    L0 is "off" when it is configured off (every model shares one cache config), "hit" only when
-    every lookup hit, and "miss" otherwise, also for a request that looked nothing up.
-    """
-
-    def __init__(self, l0_enabled: bool) -> None:
-        self.l0_enabled = l0_enabled
-        self.lookups = 0
-        self.l0_hits = 0
-        self.l1_reused = 0
-
-    def add(self, outcome: CacheOutcome) -> None:
-        self.lookups += 1
-        self.l0_hits += outcome.l0 == "hit"
-        self.l1_reused += outcome.l1_reused_tokens
-
-    def to_wire(self) -> dict:
-        if not self.l0_enabled:
-            l0 = "off"
-        else:
-            l0 = "hit" if self.lookups and self.l0_hits == self.lookups else "miss"
-        return {"l0": l0, "l1_reused_tokens": self.l1_reused}
-
-
 def load_model(spec: ModelSpec, cache_config: CacheConfig) -> Model:
     """Tokenizer, cache and chat templates of `spec`; BootError (or OSError, ValueError) says what is wrong."""
     tokenizer = load_tokenizer(spec.source, tokenizer_path=spec.tokenizer_path)
@@ -150,7 +123,7 @@ def load_model(spec: ModelSpec, cache_config: CacheConfig) -> Model:
 
 
 def _local_encoding_model(name: str, cache_config: CacheConfig) -> Model | None:
-    """An OpenAI encoding from a local rank file (count_encodings.py), or None, said in the log once."""
+    """An OpenAI encoding from a local rank file (count/encodings.py), or None, said in the log once."""
     enc = local_encoding(name)
     if enc is None:
         log.warning("tiktoken encoding %s is not available for counting: %s", name, where_to_put(name))
@@ -304,33 +277,3 @@ class ModelRegistry:
                 for key, value in counters.items():
                     acc[key] = acc.get(key, 0) + value
         return total
-
-
-class WorkerCountEnv:
-    """The counting ladder's view of this worker: every rung encodes through a model's cache."""
-
-    def __init__(self, registry: ModelRegistry, tally: CacheTally) -> None:
-        self._registry = registry
-        self._tally = tally
-
-    def _encoder(self, model: Model) -> Callable[[str], int]:
-        def encode(text: str) -> int:
-            ids, outcome = model.cache.encode(text, False)
-            self._tally.add(outcome)
-            return len(ids)
-
-        return encode
-
-    def tiktoken(self, encoding: str) -> Callable[[str], int] | None:
-        model = self._registry.encoding(encoding)
-        return self._encoder(model) if model is not None else None
-
-    def loaded(self, model: str) -> tuple[str, str, Callable[[str], int]] | None:
-        found = self._registry.find(model)
-        if found is None:
-            return None
-        return found.name, found.tokenizer.kind, self._encoder(found)
-
-    def fallback(self) -> tuple[str, Callable[[str], int]] | None:
-        model = self._registry.fallback()
-        return (model.name, self._encoder(model)) if model is not None else None

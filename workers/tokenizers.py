@@ -380,7 +380,7 @@ def _load_encoding(found: _Found, config: dict, named: dict[str, str]) -> Tiktok
 
 
 def wrap_encoding(enc: Any, description: str) -> TiktokenTokenizer:
-    """A tiktoken.Encoding built elsewhere (counting builds OpenAI's from local files, count_encodings.py) as a Tokenizer."""
+    """A tiktoken.Encoding built elsewhere (counting builds OpenAI's from local files, count/encodings.py) as a Tokenizer."""
     found = _Found("encoding", None, None, encoding=enc.name)
     assigned = set(enc._mergeable_ranks.values()) | set(enc._special_tokens.values())
     return _wrap_tiktoken(enc, assigned, found, {}, {}, description)

@@ -2,7 +2,8 @@
 
 Each `harvest_*` function walks one provider's schema (never a generic walk over key names) and
 returns a `Harvest`: the texts of each message (each encoded on its own), function definitions,
-images, and what was skipped, said in `Notes`. Framing and image rules live in count.py.
+images, and what was skipped, said in `Notes`. Framing lives in __init__.py (Anthropic), openai.py
+and gemini.py; image rules in images.py.
 
 What is counted, per format (anything else is skipped, with a warning where it could cost tokens):
 
@@ -14,8 +15,8 @@ What is counted, per format (anything else is skipped, with a warning where it c
 | gemini.generate | `systemInstruction`, `contents[]` parts: text (thoughts too), functionCall name and args, functionResponse name and response, executableCode, codeExecutionResult; `tools[].functionDeclarations`; images in inlineData/fileData | thoughtSignature, non-image inline/file data, built-in tools, cachedContent |
 
 Objects (`arguments` given as objects, `input`, `args`, `response`, schemas) are serialised as compact
-JSON by the count's Walk (count_walk.py: recursion-free, under a node budget). Base64 data is never text: an image's size is read
-from its header where the body carries it (count_images.py).
+JSON by the count's Walk (json_writer.py: recursion-free, under a node budget). Base64 data is never text: an image's size is read
+from its header where the body carries it (images.py).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .count_images import Image, base64_image_size, url_image
-from .count_walk import Walk
+from .images import Image, base64_image_size, url_image
+from .json_writer import Walk
 
 FORMATS = ("openai.chat", "openai.responses", "anthropic.messages", "gemini.generate", "text")
 

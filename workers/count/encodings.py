@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .tiktoken_files import KNOWN_TIKTOKEN_FILES, parse_ranks
+from ..tiktoken_files import KNOWN_TIKTOKEN_FILES, parse_ranks
 
 _BLOBS = "https://openaipublic.blob.core.windows.net/encodings/"
 

@@ -1,27 +1,27 @@
 """The `count` op: the prompt tokens of a provider request body, counted locally.
 
 A gateway must know what a request will cost before it sends it. `count_request` parses the body,
-detects its format when not told, harvests what the model will read (count_formats.py), picks a
+detects its format when not told, harvests what the model will read (formats.py), picks a
 tokenizer down a ladder and adds each format's framing and image tokens. Without `strict` it
 never fails on its input: it falls down the ladder and says so in `method` and `warnings`.
 
 The ladder, first that serves wins:
 
 1. tiktoken, for OpenAI model families (openai_encoding_for): method "tiktoken". The worker builds
-   the encoding from a local file only (count_encodings.py): no rung touches the network.
+   the encoding from a local file only (encodings.py): no rung touches the network.
 2. a loaded tokenizer, by exact name or alias, then `--tokenizer-map` globs (env.loaded).
 3. the embedded fallback tokenizer: method "fallback".
 4. characters (Unicode code points) / 2, rounded up: method "estimate".
 
-Framing: OpenAI's in count_openai.py (messages, the `namespace functions` block of tool definitions,
+Framing: OpenAI's in openai.py (messages, the `namespace functions` block of tool definitions,
 calls, tool results and structured outputs; it reproduces every published and recorded count in
 tests/fixtures/count/). Anthropic: 3
 per message (`system` is one), 3 per request, and per tool 3 + name + description + JSON of
 input_schema plus Anthropic's published tool-use system prompt (346; 313 for tool_choice any/tool).
-Gemini (count_gemini.py): the text, and one per content from Gemini 2.5 on; declarations by their
+Gemini (gemini.py): the text, and one per content from Gemini 2.5 on; declarations by their
 text, an estimate. Text: nothing. docs/counting.md gives each rule's source.
 
-Images are never text: count_images.py reads their sizes and applies each provider's published rule.
+Images are never text: images.py reads their sizes and applies each provider's published rule.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from typing import Protocol
 
 from tokenbroker.common.errors import ProtocolError
 
-from .count_detect import detect_format
-from .count_formats import FORMATS, HARVESTERS, FunctionDef, Harvest
-from .count_gemini import gemini_tokens
-from .count_images import image_tokens
-from .count_openai import openai_tokens
-from .count_walk import Notes, Walk
-from .modelmap import normalise_openai_model, openai_encoding_for
+from .detect import detect_format
+from .formats import FORMATS, HARVESTERS, FunctionDef, Harvest
+from .gemini import gemini_tokens
+from .images import image_tokens
+from .json_writer import Notes, Walk
+from .openai import openai_tokens
+from .openai_families import normalise_openai_model, openai_encoding_for
 
 OPENAI_ENCODINGS = frozenset({"o200k_base", "o200k_harmony", "cl100k_base"})  # the ladder's first rung serves only these
 
@@ -78,7 +78,7 @@ class Framing:
     per_request: int
 
 
-# OpenAI's framing lives in count_openai.py, Gemini's in count_gemini.py; Anthropic's is our
+# OpenAI's framing lives in openai.py, Gemini's in gemini.py; Anthropic's is our
 # documented estimate (Anthropic publishes none).
 ANTHROPIC_FRAMING = Framing(per_message=3, per_request=3)
 SCHEMA_TOOL_OVERHEAD = 3  # per function definition, Anthropic

@@ -14,8 +14,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-ENTRY_OVERHEAD = 256  # ordered-dict slot, key tuple, entry object and array header, roughly
-ID_TYPECODE = "I"  # unsigned 32-bit: every vocabulary fits, and 4 bytes per id is what we charge
+from .accounting import ENTRY_OVERHEAD, ID_TYPECODE, LayerStats
 
 
 @dataclass(slots=True)
@@ -23,24 +22,6 @@ class _Entry:
     ids: array
     utf8_len: int
     charge: int
-
-
-@dataclass
-class LayerStats:
-    """Cumulative counters of one layer plus its current size, as the metrics exporter reads them."""
-
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    reused_bytes: int = 0
-    entries: int = 0
-    bytes: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "hits": self.hits, "misses": self.misses, "evictions": self.evictions,
-            "reused_bytes": self.reused_bytes, "entries": self.entries, "bytes": self.bytes,
-        }
 
 
 class L0Cache:

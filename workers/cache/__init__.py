@@ -1,7 +1,7 @@
 """A worker's two-level cache in front of one tokenizer: L0 exact inputs, L1 prefixes at added tokens.
 
 Caches only ever save work: every result equals the tokenizer's own, id for id (docs/protocol.md,
-"Token ids"). L1 proves that per tokenizer at load (see cache_segment) and is bypassed, with the reason
+"Token ids"). L1 proves that per tokenizer at load (see segment.py) and is bypassed, with the reason
 in `l1_bypass_reason`, where it cannot. Decoding is never cached.
 
 >>> ids, outcome = TokenCache(tok, CacheConfig(l0_enabled=True)).encode("hello")  # doctest: +SKIP
@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 from tokenbroker.common.config import CacheConfig
 
-from .cache_l0 import L0Cache, LayerStats
-from .cache_l1 import L1Cache
-from .cache_segment import NotSplittable, Segmenter, Tokenizer, check_exact
+from .accounting import LayerStats
+from .l0 import L0Cache
+from .l1 import L1Cache
+from .segment import NotSplittable, Segmenter, Tokenizer, check_exact
 
 log = logging.getLogger(__name__)
 

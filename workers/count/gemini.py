@@ -21,8 +21,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from .count_formats import FunctionDef, Harvest
-from .count_walk import Walk
+from .formats import FunctionDef, Harvest
+from .json_writer import Walk
 
 Encoder = Callable[[str], int]
 

@@ -31,7 +31,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from .cache_l0 import ID_TYPECODE
+from .accounting import ID_TYPECODE
 
 
 class Tokenizer(Protocol):

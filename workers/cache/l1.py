@@ -1,6 +1,6 @@
 """L1: the ids of prefixes that end right after added tokens, so a new turn pays only for itself.
 
-Where inputs are cut, and why that is exact, is workers/cache_segment.py's job; this module keeps
+Where inputs are cut, and why that is exact, is workers/cache/segment.py's job; this module keeps
 the prefixes (a byte-budgeted store with sampled LRU eviction) and serves lookups through them.
 
 Bounded by design: a lookup first decides where it may cut (a few boundaries, `plan_cuts`), encodes
@@ -20,16 +20,12 @@ from array import array
 from dataclasses import dataclass
 from itertools import accumulate
 
-from .cache_l0 import ID_TYPECODE, LayerStats
-from .cache_segment import Segmenter, Tokenizer
+from .accounting import ENTRY_OVERHEAD, ID_TYPECODE, LayerStats
+from .segment import Segmenter, Tokenizer
 
 log = logging.getLogger(__name__)
 
 EVICTION_SAMPLE = 32
-# Charged per entry on top of the prefix bytes and 4 bytes per id: the dict slot, key digest, entry
-# object and array header really take about this much, and without it a flood of distinct tiny
-# prefixes could hold many times the budget.
-ENTRY_OVERHEAD = 256
 # Boundaries keyed first, deepest first: a growing conversation adds a few added tokens per turn, so
 # its previous request's deepest boundary is among them; only on a miss there are the others keyed.
 PROBE_FIRST = 8

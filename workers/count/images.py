@@ -24,7 +24,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from .count_walk import Notes
+from .json_writer import Notes
 
 IMAGE_HEADER_CHARS = 1 << 20  # base64 characters decoded to find an image's size (JPEG may put EXIF first)
 

@@ -30,9 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .count_formats import FunctionDef, Harvest
-from .count_walk import Walk
-from .modelmap import openai_encoding_for
+from .formats import FunctionDef, Harvest
+from .json_writer import Walk
+from .openai_families import openai_encoding_for
 
 Encoder = Callable[[str], int]
 
@@ -164,7 +164,7 @@ def _literal(value: Any) -> str:
 def render_functions(functions: list[FunctionDef], walk: Walk) -> str:
     """The `namespace functions { ... }` block OpenAI puts in the system message.
 
-    >>> from .count_walk import Notes
+    >>> from .json_writer import Notes
     >>> f = FunctionDef("get_weather", "Weather now.", {"type": "object", "required": ["city"],
     ...     "properties": {"city": {"type": "string", "description": "City name"}, "unit": {"type": "string", "enum": ["c", "f"]}}})
     >>> print(render_functions([f], Walk(Notes())))
@@ -199,7 +199,7 @@ def render_response_format(name: str, description: str, schema: Any, walk: Walk,
     without `additionalProperties` and `required`; after a blank line when it joins tool definitions
     or a system message.
 
-    >>> from .count_walk import Notes
+    >>> from .json_writer import Notes
     >>> schema = {"type": "object", "properties": {"required": {"type": "string"}}, "required": ["required"], "additionalProperties": False}
     >>> render_response_format("reply", "", schema, Walk(Notes()), joined=False)
     '# Response Formats\n\n## reply\n\n{"type":"object","properties":{"required":{"type":"string"}}}'
