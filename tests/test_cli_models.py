@@ -245,3 +245,27 @@ def test_under_curve_only_an_admin_key_may_add_or_remove(tmp_path):
         assert "o2" not in rows
     finally:
         b.stop()
+
+
+# --- the table alone (a pure function: what it does with fields a broker may or may not send) -----
+
+
+def test_a_version_1_reply_shows_dashes_for_the_fields_it_lacks():
+    from tokenbroker.cli import models_table
+    from tokenbroker.client import ModelInfo
+
+    table = models_table([ModelInfo("old", ("default",), "tiktoken", 100277, ("<|endoftext|>",), False, True)])
+    assert table.split("\n")[1].split() == ["old", "-", "-", "100277", "no", "-"]
+
+
+def test_a_multi_line_error_stays_on_one_line_under_its_model():
+    from tokenbroker.cli import models_table
+    from tokenbroker.client import ModelInfo
+
+    models = [ModelInfo("a-rather-long-model-name", (), "", 0, (), False, False, None, "failed",
+                        "Traceback:\n  no tokenizer.json\n\tin /models/x", 0),
+              ModelInfo("ok", (), "huggingface", 30522, (), True, False, "ab" * 32, "ready", None, 1)]
+    lines = models_table(models).split("\n")
+    assert lines[2] == "  error: Traceback: no tokenizer.json in /models/x"
+    assert lines[3].split() == ["ok", "ready", "1", "30522", "yes", "ab" * 6]
+    assert lines[0].index("STATE") == lines[1].index("failed") == lines[3].index("ready")  # columns line up

@@ -4,7 +4,7 @@ add-model, remove-model).
 The client commands share their exit codes, so a script can tell "the broker said no" from "no
 broker answered": 0 ok, 1 an error reply (the code and message on standard error; with `--json`
 the reply itself on standard output, as `tokenize` and `detokenize` always print it), 2 no reply
-within `--timeout`. A local mistake (a `--chat-template` file that cannot be read, a CURVE key
+within `--timeout` (for `add-model --wait`, also: still loading when `--timeout` ran out). A local mistake (a `--chat-template` file that cannot be read, a CURVE key
 file that is not one) is 1 too, with argparse's own 2 for a malformed command line.
 """
 
