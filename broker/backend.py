@@ -23,15 +23,20 @@ import zmq
 
 from tokenbroker.common.protocol import (
     B_HEARTBEAT,
+    B_LOAD,
     B_RESET,
+    B_UNLOAD,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
     MAX_BATCH_JOBS,
     PROTOCOL_VERSION,
     W_BYE,
     W_HEARTBEAT,
+    W_LOADED,
     W_READY,
     W_RESULTS,
+    Loaded,
+    LoadSpec,
     Ready,
     pack_jobs,
     unpack_results,
@@ -40,6 +45,7 @@ from tokenbroker.common.protocol import (
 log = logging.getLogger(__name__)
 
 MAX_REPORT_BYTES = 64 * 1024  # a heartbeat body larger than this is dropped
+MAX_LOADED_BYTES = 4 * 1024 * 1024  # a LOADED body (its special-token list) larger than this is dropped
 BATCH_BYTES = 4 * 1024 * 1024  # payload bytes in one backend message, past its first job
 
 
@@ -65,6 +71,15 @@ class Joined:
 class Results:
     wid: bytes
     results: list[tuple[int, str, bytes]]  # (job id, outcome, reply payload; b"" when skipped)
+
+
+@dataclass(frozen=True)
+class ModelLoaded:
+    """A worker finished (or failed) a load. `mismatch`: why its fingerprint was refused, if it was."""
+
+    wid: bytes
+    loaded: Loaded
+    mismatch: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +172,8 @@ class Backend:
             return []
         if kind == W_READY:
             return self._on_ready(wid, worker, body, now)
+        if kind == W_LOADED and worker is not None:
+            return self._on_loaded(worker, body)
         if kind == W_BYE:
             if worker is None or worker.draining:
                 return []
@@ -210,6 +227,31 @@ class Backend:
                         f"(from worker {want[1]}): start it with the same model flags")
         return None
 
+    def _on_loaded(self, worker: WorkerState, body: list[bytes]) -> list[object]:
+        if len(body) != 1 or len(body[0]) > MAX_LOADED_BYTES:
+            return self._drop("loaded", "worker %s sent a malformed LOADED", worker.name)
+        try:
+            loaded = Loaded.from_wire(body[0])
+        except Exception as e:
+            return self._drop("loaded", "worker %s sent an unreadable LOADED: %s", worker.name, e)
+        mismatch = None
+        if loaded.ok:
+            want = self.expected.setdefault(loaded.name, (loaded.fingerprint, worker.name))
+            if want[0] != loaded.fingerprint:
+                mismatch = (f"model {loaded.name!r} has fingerprint {loaded.fingerprint} on worker {worker.name}, "
+                            f"this broker expects {want[0]} (from worker {want[1]})")
+        return [ModelLoaded(worker.wid, loaded, mismatch)]
+
+    def forget_model(self, name: str) -> None:
+        """A model left the catalog: the next one of that name may have another fingerprint."""
+        self.expected.pop(name, None)
+
+    def send_load(self, wid: bytes, spec: LoadSpec) -> None:
+        self._send_frames([wid, B_LOAD, spec.to_wire()])
+
+    def send_unload(self, wid: bytes, name: str) -> None:
+        self._send_frames([wid, B_UNLOAD, name.encode()])
+
     def send_jobs(self, wid: bytes, jobs: list[tuple[int, int, bytes]]) -> None:
         """Send (job id, budget ms, payload) to `wid`, at most MAX_BATCH_JOBS and BATCH_BYTES a message."""
         start = 0
@@ -233,8 +275,11 @@ class Backend:
         return [Left(w.wid, "silent") for w in self.workers.values() if w.expiry <= now]
 
     def _send(self, wid: bytes, kind: bytes) -> None:
+        self._send_frames([wid, kind])
+
+    def _send_frames(self, frames: list[bytes]) -> None:
         try:
-            self.sock.send_multipart([wid, kind], zmq.NOBLOCK)
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 

@@ -18,8 +18,10 @@ bytes), so a busy pool pays the hop once per batch, not per job. A worker is ful
 jobs, or at `worker_bytes` payload bytes once it holds one job: a huge request blocks the queue of
 its own worker only, and small ones go elsewhere meanwhile.
 
-A job that names a model goes only to the workers holding it (broker/models.py); one that finds
-them all full waits without holding up the jobs behind it.
+A job that names a model goes only to the workers holding it: a catalog model's holders come from
+broker/placement.py (none yet: it waits for a load, within its deadline), another name's from what
+workers said in READY (broker/models.py). A job that finds them all full waits without holding up
+the jobs behind it; `demand` counts the queued jobs of each catalog model, for placement.
 
 `next_timer(now)` says when waiting could change something: only when a worker has room and the
 head waits for its spill time. With no room anywhere the broker sleeps until a worker answers.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tokenbroker.common.protocol import Envelope
 
@@ -57,6 +60,7 @@ class Job:
     worker: bytes | None = None  # the worker holding it, while one does
     answered: bool = False
     model: str | None = None  # the served model it names (None: any worker's default will do)
+    catalog: bool = False  # `model` is a catalog entry's name: only its holders may take it, or it waits
 
 
 @dataclass(slots=True)
@@ -71,8 +75,10 @@ class Slots:
 
 class Dispatcher:
     def __init__(self, router: Router, *, spill_wait: float, worker_bytes: int,
-                 lookahead: int = AFFINITY_LOOKAHEAD) -> None:
+                 lookahead: int = AFFINITY_LOOKAHEAD,
+                 holders: Callable[[str], frozenset[bytes]] = lambda model: frozenset()) -> None:
         self.router = router
+        self.holders = holders  # a catalog model -> the workers holding it (broker/placement.py)
         self.spill_wait = spill_wait
         self.worker_bytes = worker_bytes
         self.lookahead = lookahead
@@ -80,6 +86,7 @@ class Dispatcher:
         self.models = ModelIndex()
         self.pending: deque[Job] = deque()
         self.waiting = 0  # queued jobs still unanswered
+        self.demand: dict[str, int] = {}  # queued jobs still unanswered, per catalog model
         self._stale = 0  # answered jobs still in `pending`, dropped in batches
         self._free = 0  # slots free over the workers that take jobs
 
@@ -118,16 +125,34 @@ class Dispatcher:
         slots = self.workers.get(wid)
         return len(slots.jobs) if slots is not None else 0
 
+    def full(self, wid: bytes) -> bool:
+        """The worker takes no more jobs now (every slot used, or its byte limit reached, or draining)."""
+        slots = self.workers.get(wid)
+        return slots is None or slots.draining or self._room(slots) <= 0
+
+    def holds_model(self, wid: bytes, model: str) -> bool:
+        """Whether the worker holds a job of `model` (it must keep the model until answered)."""
+        slots = self.workers.get(wid)
+        return slots is not None and any(job.model == model for job in slots.jobs.values())
+
     # --- jobs ----------------------------------------------------------------------------
 
     def enqueue(self, job: Job) -> None:
         self.pending.append(job)
         self.waiting += 1
+        if job.catalog:
+            self._demand(job.model, 1)
 
     def requeue(self, job: Job) -> None:
         """A job whose worker died goes first; its queue time stays, so it may go anywhere at once."""
         self.pending.appendleft(job)
         self.waiting += 1
+        if job.catalog:
+            self._demand(job.model, 1)
+
+    def queued(self, model: str) -> list[Job]:
+        """The unanswered queued jobs of a catalog model (to answer them when it fails or goes)."""
+        return [job for job in self.pending if job.catalog and job.model == model and not job.answered]
 
     def finish(self, wid: bytes, job_id: int, *, served: bool = False) -> Job | None:
         """`wid` answered `job_id`: the job, if that worker held it (else a stale or forged answer).
@@ -156,11 +181,15 @@ class Dispatcher:
         """Forget the queue (the broker has answered every job in it)."""
         self.pending.clear()
         self.waiting = 0
+        self.demand.clear()
         self._stale = 0
 
     def expired(self, job: Job) -> None:
-        """A queued job was answered (its deadline passed): it leaves the queue's count now."""
+        """A queued job was answered (its deadline passed, or its model failed or went): it leaves
+        the queue's count now. The caller has set `job.answered`."""
         self.waiting -= 1
+        if job.catalog:
+            self._demand(job.model, -1)
         self._stale += 1
         if self._stale > max(64, len(self.pending) // 2):
             self.pending = deque(j for j in self.pending if not j.answered)
@@ -182,7 +211,9 @@ class Dispatcher:
             if job.answered:
                 self._stale -= 1
                 continue
-            wid = self.router.pick(job.route, overflow=False, record=False, allowed=self.models.eligible(job.model))
+            allowed = self._allowed(job)
+            wid = None if allowed is not None and not allowed else self.router.pick(
+                job.route, overflow=False, record=False, allowed=allowed)
             if wid is None:
                 kept.append(job)
             else:
@@ -198,8 +229,8 @@ class Dispatcher:
                 continue
             if job.route is not None and job.queued > spill_before:
                 break  # it may still wait for its preferred worker (and the queue is in arrival order)
-            allowed = self.models.eligible(job.model)
-            wid = self.router.pick(job.route, record=False, allowed=allowed)
+            allowed = self._allowed(job)
+            wid = None if allowed is not None and not allowed else self.router.pick(job.route, record=False, allowed=allowed)
             if wid is None:
                 if allowed is None:
                     break
@@ -227,6 +258,19 @@ class Dispatcher:
 
     # --- internals -----------------------------------------------------------------------
 
+    def _allowed(self, job: Job) -> frozenset[bytes] | None:
+        """The workers that may take the job: its catalog model's holders (maybe none), else by READY names."""
+        if job.catalog:
+            return self.holders(job.model)  # type: ignore[arg-type]
+        return self.models.eligible(job.model)
+
+    def _demand(self, model: str | None, change: int) -> None:
+        left = self.demand.get(model, 0) + change  # type: ignore[arg-type]
+        if left > 0:
+            self.demand[model] = left  # type: ignore[index]
+        else:
+            self.demand.pop(model, None)  # type: ignore[arg-type]
+
     def _place(self, job: Job, wid: bytes, out: dict[bytes, list[Job]]) -> None:
         slots = self.workers[wid]
         before = self._room(slots)
@@ -235,6 +279,8 @@ class Dispatcher:
         job.worker = wid
         job.attempts += 1
         self.waiting -= 1
+        if job.catalog:
+            self._demand(job.model, -1)
         self._set_room(wid, slots, before)
         out.setdefault(wid, []).append(job)
 

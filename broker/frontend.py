@@ -169,14 +169,36 @@ class _Malformed(Exception):
 class Incoming:
     envelope: Envelope
     peek: Peek
+    peer: "Peer | None" = None  # who sent it, when the frontend was asked to tell (admin ops)
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """What ZeroMQ says of a message's connection: the CURVE key (ZAP user id) and the address."""
+
+    user_id: str | None
+    address: str | None
+
+    @classmethod
+    def of(cls, frame: zmq.Frame) -> "Peer":
+        def prop(name: str) -> str | None:
+            try:
+                return frame.get(name)
+            except zmq.ZMQError:  # no such property on this connection (no ZAP user id without CURVE)
+                return None
+
+        return cls(prop("User-Id"), prop("Peer-Address"))
 
 
 class Frontend:
     """Wraps the ROUTER socket that clients talk to."""
 
-    def __init__(self, sock: zmq.Socket, *, max_request_bytes: int) -> None:
+    def __init__(self, sock: zmq.Socket, *, max_request_bytes: int, tell_peer: bool = False) -> None:
         self.sock = sock
         self.max_request_bytes = max_request_bytes
+        # Read who sent each message (its CURVE key, its address): needed for the admin ops only
+        # when CURVE is on or the frontend is reachable from other hosts; it costs a Frame per message.
+        self.tell_peer = tell_peer
 
     def receive(self) -> Incoming | None:
         """One message: a checked request, or None when it was answered here with an error.
@@ -185,8 +207,14 @@ class Frontend:
         """
         sock = self.sock
         frames = [sock.recv(_NOBLOCK)]
+        peer = None
         while sock.rcvmore:  # the frames of one message are all there once its first is
-            frames.append(sock.recv(_NOBLOCK))
+            if self.tell_peer:
+                frame = sock.recv(_NOBLOCK, copy=False)
+                peer = Peer.of(frame)
+                frames.append(frame.bytes)
+            else:
+                frames.append(sock.recv(_NOBLOCK))
         try:
             envelope, raw = split_envelope(frames)
         except _Malformed as e:
@@ -198,7 +226,7 @@ class Frontend:
                       f"payload is {len(raw)} bytes; this broker takes at most {self.max_request_bytes} (--max-request-bytes)")
             return None
         try:
-            return Incoming(envelope, peek_request(raw))
+            return Incoming(envelope, peek_request(raw), peer)
         except Rejected as e:
             self.fail(envelope, e.raw_id, e.code, e.message)
             return None

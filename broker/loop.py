@@ -20,13 +20,16 @@ import zmq
 
 from tokenbroker import __version__
 from tokenbroker.common.config import BrokerConfig
-from tokenbroker.common.protocol import MAX_DEADLINE_MS, SKIPPED, error_reply, ok_reply
+from tokenbroker.common.errors import ProtocolError
+from tokenbroker.common.protocol import ADMIN_OPS, MAX_DEADLINE_MS, SKIPPED, error_reply, ok_reply, req, unpack
 
 from .affinity import route_key
-from .backend import Backend, Draining, Joined, Left, Results, WorkerState
+from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
+from .catalog import FAILED, LOADING, WORKER, Catalog, CatalogError, Entry, add_model_spec
 from .dispatch import Dispatcher, Job
-from .frontend import Frontend
+from .frontend import Frontend, Incoming
 from .metrics import PoolMetrics
+from .placement import Load, Placement
 from .router import Router
 from .supervisor import Supervisor
 
@@ -37,6 +40,8 @@ FRONTEND_BATCH_BYTES = 64 * 1024 * 1024  # and payload bytes read per turn
 PUBLISH_EVERY_S = 0.1  # the exporter's view of the pool is at most this old
 SHUTDOWN_GRACE_S = 10.0
 MODEL_OPS = frozenset({"tokenize", "detokenize", "chat", "detokenize_stream"})  # `model` names a served model
+CATALOG_OPS = frozenset({"models", *ADMIN_OPS})  # answered by the broker from its catalog
+PLAN_EVERY_S = 0.05  # placement looks again this often while requests queue (else once a second)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 WAKE_SIGNALS = (*STOP_SIGNALS, signal.SIGCHLD, signal.SIGHUP)  # SIGHUP: re-read the CURVE key folders
 
@@ -47,6 +52,8 @@ class BootFailed(Exception):
 
 class Broker:
     on_hangup: Callable[[], None] = staticmethod(lambda: None)  # broker/security.py's reload, set by main
+    # Who may use the admin ops, from a message's CURVE key and address (broker/security.py's admin_gate).
+    is_admin: Callable[[str | None, str | None], bool] = staticmethod(lambda user_id, address: True)
 
     def __init__(
         self,
@@ -64,8 +71,13 @@ class Broker:
         self.metrics = metrics
         self.wakeup = wakeup
         self.router = Router(balance_factor=config.balance_factor, balance_margin=config.balance_margin)
+        self.catalog = Catalog(config.models)
+        self.placement = Placement(config.models.max_models)
         self.dispatcher = Dispatcher(self.router, spill_wait=config.spill_wait_ms / 1000,
-                                     worker_bytes=config.worker_max_bytes)
+                                     worker_bytes=config.worker_max_bytes, holders=self.placement.holders)
+        self.removing: set[str] = set()  # models removed whose queued jobs are still being served
+        self.replan = True  # placement has something new to look at
+        self.next_plan = 0.0
         self.jobs: dict[int, Job] = {}  # every job held, queued or at a worker, until answered
         self.held_bytes = 0  # payload bytes of every job held, bounded by max_pending_bytes
         self.per_client: dict[bytes, int] = {}  # jobs held per client connection, bounded by max_client_pending
@@ -175,22 +187,44 @@ class Broker:
                     "limits": self.limits}))
                 self.metrics.request_done("ping", "ok", 0.0)
                 continue
+            if peek.op in CATALOG_OPS:
+                self._on_catalog_op(incoming)
+                continue
             why = self._refusal(envelope.identity, len(peek.raw))
             if why is not None:
                 self.frontend.fail(envelope, peek.raw_id, "overloaded", f"{why}; retry later")
                 self.metrics.request_done(peek.op, "overloaded", 0.0)
                 continue
+            entry = self._entry_of(peek.op, peek.model)
+            if entry is not None and entry.state == FAILED:
+                self.frontend.fail(envelope, peek.raw_id, "unknown_model", self._failed_message(entry.name))
+                self.metrics.request_done(peek.op, "unknown_model", 0.0)
+                continue
             timeout_ms = peek.deadline_ms or self.config.request_timeout_ms
             route = route_key(peek) if self.config.routing == "affinity" else None
             job = Job(self.next_id, envelope, peek.raw_id, peek.raw, peek.op, route,
                       received=now, deadline=now + timeout_ms / 1000, queued=now,
-                      model=peek.model if peek.op in MODEL_OPS else None)
+                      model=entry.name if entry is not None else (peek.model if peek.op in MODEL_OPS else None),
+                      catalog=entry is not None)
+            if entry is not None:
+                self.metrics.model_request(entry.name)
+                self.replan |= not self.placement.holders(entry.name)
             self.next_id += 1
             self.jobs[job.job_id] = job
             self.held_bytes += len(job.raw)
             self.per_client[envelope.identity] = self.per_client.get(envelope.identity, 0) + 1
             self.dispatcher.enqueue(job)
             heapq.heappush(self.deadlines, (job.deadline, job.job_id))
+
+    def _entry_of(self, op: str, name: str | None) -> Entry | None:
+        """The catalog model a job names, if any. Ops that tokenize name a catalog model or the
+        default; `count` does when its model is one (else the worker's counting ladder resolves it)."""
+        if op in MODEL_OPS or (op == "count" and name is not None):
+            return self.catalog.resolve(name)
+        return None
+
+    def _failed_message(self, model: str) -> str:
+        return f"field 'model': model {model!r} failed to load: {self.catalog.entries[model].error}"
 
     def _refusal(self, client: bytes, size: int) -> str | None:
         """Why a new request cannot be held now (answered overloaded), or None."""
@@ -230,6 +264,10 @@ class Broker:
 
     def _dispatch(self, now: float) -> None:
         for wid, batch in self.dispatcher.assign(now):
+            if self.placement.cap:  # the least recently used model is the one a full worker lets go
+                for job in batch:
+                    if job.catalog:
+                        self.placement.used(wid, job.model, now)  # type: ignore[arg-type]
             jobs = [(job.job_id, min(MAX_DEADLINE_MS, max(1, int((job.deadline - now) * 1000))), job.raw) for job in batch]
             try:
                 self.backend.send_jobs(wid, jobs)
@@ -247,15 +285,16 @@ class Broker:
             try:
                 if isinstance(event, Results):
                     self._on_results(event, now)
+                elif isinstance(event, ModelLoaded):
+                    self._on_loaded(event, now)
                 elif isinstance(event, Joined):
-                    w = event.worker
-                    log.info("worker %s joined (pid %d on %s, capacity %d)", w.name, w.ready.pid, w.ready.host, w.ready.capacity)
-                    self.dispatcher.add_worker(w.wid, w.ready.capacity, names=w.ready.names, globs=w.ready.maps)
-                    self.metrics.worker_joined(w.name)
+                    self._on_joined(event.worker, now)
                 elif isinstance(event, Left):
                     self._worker_gone(event.wid, event.why, now, event.state)
                 elif isinstance(event, Draining):
                     self.dispatcher.drain_worker(event.wid)  # nothing new goes to it; its jobs finish there
+                    self.placement.drain_worker(event.wid)
+                    self.replan = True
                     self._gone_if_idle(event.wid, now)
             except Exception:  # a bug must cost this event, never the loop
                 log.exception("could not handle a backend event %s", type(event).__name__)
@@ -284,6 +323,11 @@ class Broker:
         if state is None:
             return
         lost = self.dispatcher.remove_worker(wid)
+        self.placement.remove_worker(wid)  # its loads under way are planned again elsewhere
+        self.replan = True
+        for entry in list(self.catalog.entries.values()):
+            if entry.origin == WORKER and not self.placement.holders(entry.name):
+                self.catalog.drop(entry.name)  # a worker's own model, gone with the last worker that had it
         self.metrics.worker_left(state.name, state.report)
         if lost or why not in ("leaving", "left"):
             log.warning("worker %s is gone (%s) holding %d jobs", state.name, why, len(lost))
@@ -310,6 +354,7 @@ class Broker:
                 self.supervisor.kill(state.name)
             self._worker_gone(left.wid, left.why, now)
         self._expire(now)
+        self._place(now)
         self._dispatch(now)
         if now >= self.next_publish:
             self.metrics.publish(self.snapshot())
@@ -351,7 +396,146 @@ class Broker:
                 for w in self.backend.workers.values()
             ],
             "router": self.router.stats(),
+            "models": self._model_snapshot(),
         }
+
+    # --- the model catalog (docs/protocol.md "The model catalog") ----------------------
+
+    def _on_catalog_op(self, incoming: Incoming) -> None:
+        """`models`, `add_model`, `remove_model`: answered here, from the catalog."""
+        peek, envelope = incoming.peek, incoming.envelope
+        peer = incoming.peer
+        try:
+            if peek.op in ADMIN_OPS and not self.is_admin(peer and peer.user_id, peer and peer.address):
+                raise ProtocolError("forbidden", f"op {peek.op!r} is an admin op: use it from a loopback connection, "
+                                    "or under CURVE with a key in the broker's --curve-admins")
+            if peek.op == "models":
+                fields = {"models": self.catalog.describe(self.placement.replicas())}
+            elif peek.op == "add_model":
+                fields = self._add_model(add_model_spec(unpack(peek.raw)))
+            else:
+                fields = self._remove_model(req(unpack(peek.raw), "name", str))
+        except ProtocolError as e:
+            self.frontend.fail(envelope, peek.raw_id, e.code, e.message)
+            self.metrics.request_done(peek.op, e.code, 0.0)
+            return
+        except CatalogError as e:
+            self.frontend.fail(envelope, peek.raw_id, "bad_request", str(e))
+            self.metrics.request_done(peek.op, "bad_request", 0.0)
+            return
+        self.frontend.reply(envelope, ok_reply(peek.raw_id, {**fields, "worker": "broker"}))
+        self.metrics.request_done(peek.op, "ok", 0.0)
+
+    def _add_model(self, spec) -> dict:
+        had = spec.name in self.catalog.entries and not self.catalog.entries[spec.name].removing
+        entry = self.catalog.add(spec)
+        if not had or entry.state == LOADING:
+            self.placement.reset(entry.name)  # a retried model may be asked of every worker again
+        log.info("add_model %s from %s: %s", entry.name, spec.source, entry.state)
+        self.replan = True
+        return {"state": entry.state}
+
+    def _remove_model(self, name: str) -> dict:
+        entry = self.catalog.entries.get(name)
+        if entry is None or entry.removing:
+            raise ProtocolError("unknown_model", f"field 'name': the catalog holds no model {name!r}")
+        entry.removing = True
+        self.removing.add(name)
+        log.info("remove_model %s: its queued requests are served where a worker holds it, then it goes", name)
+        return {"removed": True}
+
+    def _on_joined(self, w: WorkerState, now: float) -> None:
+        log.info("worker %s joined (pid %d on %s, capacity %d, models %s)", w.name, w.ready.pid, w.ready.host,
+                 w.ready.capacity, ", ".join(w.ready.models))
+        ours, own = [], []
+        for model in w.ready.models:
+            info, fingerprint = w.ready.infos.get(model, {}), w.ready.fingerprints.get(model, "")
+            entry = self.catalog.entries.get(model)
+            if entry is not None and entry.origin != WORKER:
+                self.catalog.loaded(model, info, fingerprint)
+                ours.append(model)
+            else:
+                self.catalog.adopt(model, info, fingerprint)
+                own.append(model)
+        self.placement.add_worker(w.wid, ours, now, own=own)
+        self.dispatcher.add_worker(w.wid, w.ready.capacity, names=w.ready.names, globs=w.ready.maps)
+        self.metrics.worker_joined(w.name)
+        self.replan = True
+
+    def _on_loaded(self, event: ModelLoaded, now: float) -> None:
+        loaded, wid = event.loaded, event.wid
+        name = loaded.name
+        state = self.backend.workers.get(wid)
+        worker = state.name if state is not None else "?"
+        self.replan = True
+        if event.mismatch is not None:
+            log.error("refused model %s on worker %s: %s", name, worker, event.mismatch)
+            self.placement.failed(wid, name, now, refuse=True)
+            self.backend.send_unload(wid, name)
+            self.metrics.model_load_failed(name)
+            return
+        entry = self.catalog.entries.get(name)
+        if loaded.ok:
+            if entry is None or entry.removing or not self.placement.loaded(wid, name, now):
+                self.placement.failed(wid, name, now)  # not asked for, or removed meanwhile: let it go
+                self.backend.send_unload(wid, name)
+                return
+            self.catalog.loaded(name, loaded.info, loaded.fingerprint)
+            self.metrics.model_loaded(name, loaded.seconds)
+            log.info("worker %s loaded model %s in %.2fs", worker, name, loaded.seconds)
+            return
+        self.placement.failed(wid, name, now, retry=loaded.retry, refuse=not loaded.retry)
+        if loaded.retry or entry is None:
+            return
+        log.error("worker %s could not load model %s: %s", worker, name, loaded.error)
+        self.metrics.model_load_failed(name)
+        self.catalog.failed(name, loaded.error)
+        if entry.state == FAILED:
+            self._fail_queued(name, "unknown_model", self._failed_message(name), now)
+
+    def _fail_queued(self, model: str, code: str, message: str, now: float) -> None:
+        for job in self.dispatcher.queued(model):
+            self._fail(job, code, message, now)
+            self.dispatcher.expired(job)
+            self._release(job)
+            job.raw = b""
+
+    def _place(self, now: float) -> None:
+        """Send the loads and unloads placement asks for; finish the removals whose jobs are done."""
+        for name in list(self.removing) if self.removing else ():
+            if not self.placement.holders(name):
+                self._fail_queued(name, "unknown_model", f"field 'model': model {name!r} was removed from the catalog", now)
+            if self.dispatcher.demand.get(name):
+                continue  # queued jobs still go to the workers holding it
+            unloads = self.placement.unload_everywhere(name, self.dispatcher.holds_model)
+            if unloads is None:
+                continue  # a worker still holds a job of it
+            for action in unloads:
+                self.backend.send_unload(action.wid, action.model)
+            self.catalog.drop(name)
+            self.backend.forget_model(name)
+            self.removing.discard(name)
+            self.replan = True
+        if not self.replan and now < self.next_plan:
+            return
+        self.replan = False
+        self.next_plan = now + (PLAN_EVERY_S if self.dispatcher.demand else 1.0)
+        entries = [e for e in self.catalog.entries.values() if e.placeable]
+        for action in self.placement.plan(now, models=[e.name for e in entries],
+                                          new={e.name for e in entries if e.state == LOADING},
+                                          demand=self.dispatcher.demand, full=self.dispatcher.full,
+                                          busy=self.dispatcher.holds_model):
+            if isinstance(action, Load):
+                self.backend.send_load(action.wid, self.catalog.entries[action.model].spec)
+            else:
+                self.backend.send_unload(action.wid, action.model)
+
+    def _model_snapshot(self) -> dict:
+        replicas = self.placement.replicas()
+        loading = {m for h in self.placement.workers.values() for m in h.loading}
+        return {e.name: {"state": e.state, "replicas": replicas.get(e.name, 0), "loading": e.name in loading,
+                         "queued": self.dispatcher.demand.get(e.name, 0)}
+                for e in self.catalog.entries.values() if not e.removing}
 
     # --- stop --------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from .backend import Backend
 from .frontend import Frontend
 from .loop import Broker, BootFailed, install_signal_wakeup
 from .metrics import PoolMetrics
-from .security import BACKEND, FRONTEND, BrokerSecurity, SecurityError
+from .security import BACKEND, FRONTEND, BrokerSecurity, SecurityError, admin_gate
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -74,9 +74,11 @@ def serve(config: BrokerConfig) -> int:
     supervisor = Supervisor(count=config.workers, connect=backend_endpoint, name_prefix=f"local{os.getpid()}",
                             worker_argv=[*model_argv(config.models), "--capacity", str(config.worker_capacity),
                                          *security.local_worker_argv(backend_endpoint)])
-    broker = Broker(config, Frontend(frontend_sock, max_request_bytes=config.max_request_bytes),
+    tell_peer, is_admin = admin_gate(security, config.frontend)
+    broker = Broker(config, Frontend(frontend_sock, max_request_bytes=config.max_request_bytes, tell_peer=tell_peer),
                     Backend(backend_sock), supervisor, metrics, wakeup)
     broker.on_hangup = security.reload
+    broker.is_admin = is_admin
     code = 0
     try:
         supervisor.start()

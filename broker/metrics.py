@@ -30,6 +30,7 @@ WORKER_STATES = ("idle", "busy", "draining")
 # Tokenizing one request takes from tens of microseconds (a cache hit) to seconds (a book).
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
+LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))  # a tokenizer load
 RETIRED_KEEP = 4096  # departed incarnations remembered one by one; older ones fold into a baseline
 # Router counters exported as tokenbroker_router_picks_total{how}: stats key -> label value.
 ROUTER_PICKS = {"affinity_hits": "affinity", "rendezvous": "rendezvous", "spills": "spill",
@@ -118,6 +119,7 @@ class PoolCollector:
         yield from _process_families(workers, self._metrics.started)
         yield from _router_families(snapshot.get("router") or {})
         yield from self._metrics.request_families()
+        yield from self._metrics.model_families(snapshot.get("models") or {})
 
 
 def _layer_sizes(workers: list[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
@@ -204,6 +206,15 @@ def _router_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
                             value=_int(stats.get("index_entries")))
 
 
+def _cumulative(bounds: tuple[float, ...], counts: list[float]) -> list[tuple[str, float]]:
+    """Prometheus buckets from per-bucket counts."""
+    cumulative, buckets = 0.0, []
+    for bound, n in zip(bounds, counts):
+        cumulative += n
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+    return buckets
+
+
 class PoolMetrics:
     """What the loop reports to; owns the broker's own CollectorRegistry (never the global one)."""
 
@@ -213,6 +224,9 @@ class PoolMetrics:
         # the rest of the hop); scrapes copy them, which the GIL makes atomic for dicts of ints.
         self._requests: dict[tuple[str, str], int] = {}
         self._latency: dict[str, list[float]] = {}  # op -> per-bucket counts (not cumulative), then the sum
+        self._model_requests: dict[str, int] = {}  # catalog model -> requests received for it
+        self._loads: dict[str, list[float]] = {}  # model -> per-bucket load durations, then the sum
+        self._load_failures: dict[str, int] = {}
         self.auth_failures = Counter("tokenbroker_auth_failures", "CURVE handshakes the broker refused, by socket (docs/security.md)",
                                      ["socket"], registry=self.registry)
         for sock in ("frontend", "backend"):
@@ -248,12 +262,50 @@ class PoolMetrics:
                                         labels=["op"])
         for op, counts in sorted(self._latency.copy().items()):
             counts = list(counts)
-            cumulative, buckets = 0.0, []
-            for bound, n in zip(LATENCY_BUCKETS, counts):
-                cumulative += n
-                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-            latency.add_metric([op], buckets, sum_value=counts[-1])
+            latency.add_metric([op], _cumulative(LATENCY_BUCKETS, counts), sum_value=counts[-1])
         yield latency
+
+    def model_request(self, model: str) -> None:
+        """A request for a catalog model was received (model names come from the catalog only)."""
+        self._model_requests[model] = self._model_requests.get(model, 0) + 1
+
+    def model_loaded(self, model: str, seconds: float) -> None:
+        counts = self._loads.get(model)
+        if counts is None:
+            counts = self._loads[model] = [0.0] * (len(LOAD_BUCKETS) + 1)
+        seconds = max(0.0, seconds)
+        counts[bisect_left(LOAD_BUCKETS, seconds)] += 1
+        counts[-1] += seconds
+
+    def model_load_failed(self, model: str) -> None:
+        self._load_failures[model] = self._load_failures.get(model, 0) + 1
+
+    def model_families(self, models: Mapping[str, Any]) -> Iterator[Metric]:
+        """Per model: replicas now (from the snapshot), loads and their duration, failures, requests."""
+        replicas = GaugeMetricFamily("tokenbroker_model_replicas", "Workers holding a catalog model loaded", labels=["model"])
+        queued = GaugeMetricFamily("tokenbroker_model_queued", "Requests queued for a catalog model", labels=["model"])
+        for name, m in sorted(models.items()):
+            if isinstance(m, Mapping):
+                replicas.add_metric([str(name)], _int(m.get("replicas")))
+                queued.add_metric([str(name)], _int(m.get("queued")))
+        yield from (replicas, queued)
+        loads = HistogramMetricFamily("tokenbroker_model_load_seconds", "Tokenizer loads a worker finished, by model, and how long each took",
+                                      labels=["model"])
+        for name, counts in sorted(self._loads.copy().items()):
+            loads.add_metric([name], _cumulative(LOAD_BUCKETS, list(counts)), sum_value=counts[-1])
+        yield loads
+        total = CounterMetricFamily("tokenbroker_model_loads", "Tokenizer loads finished, by model", labels=["model"])
+        for name, counts in sorted(self._loads.copy().items()):
+            total.add_metric([name], sum(counts[:-1]))
+        yield total
+        failures = CounterMetricFamily("tokenbroker_model_load_failures", "Tokenizer loads that failed, by model", labels=["model"])
+        for name, n in sorted(self._load_failures.copy().items()):
+            failures.add_metric([name], n)
+        yield failures
+        requests = CounterMetricFamily("tokenbroker_model_requests", "Requests received for a catalog model", labels=["model"])
+        for name, n in sorted(self._model_requests.copy().items()):
+            requests.add_metric([name], n)
+        yield requests
 
     def auth_failed(self, socket: str) -> None:
         """Called on the ZAP thread (broker/security.py); prometheus-client counters are thread-safe."""

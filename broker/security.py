@@ -356,3 +356,30 @@ class BrokerSecurity:
         if self.private_dir is not None:
             shutil.rmtree(self.private_dir, ignore_errors=True)
             self.private_dir = None
+
+
+def admin_gate(security: "BrokerSecurity", frontend_endpoint: str) -> tuple[bool, Callable[[str | None, str | None], bool]]:
+    """(whether the frontend must tell each message's peer, who may use the admin ops).
+
+    docs/protocol.md "The model catalog": under CURVE only keys in --curve-admins; without it, a
+    client on a loopback connection. A frontend bound to loopback or ipc has only such clients, so
+    it need not look at each message's address.
+    """
+    if security.enabled:
+        return True, lambda user_id, address: security.is_admin(user_id)
+    if is_local_endpoint(frontend_endpoint):
+        return False, lambda user_id, address: True
+    return True, lambda user_id, address: _is_loopback(address)
+
+
+def _is_loopback(address: str | None) -> bool:
+    """
+    >>> _is_loopback("127.0.0.1"), _is_loopback("::1"), _is_loopback("10.0.0.2"), _is_loopback(None)
+    (True, True, False, False)
+    """
+    if not address:
+        return False
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False

@@ -49,16 +49,18 @@ class ChatTemplates:
 
 
 def discover_chat_templates(
-    model_dir: Path | None, tokenizer_config: dict, override: str | None
+    model_dir: Path | None, tokenizer_config: dict, override: str | None, *, text: str | None = None
 ) -> ChatTemplates | None:
     """Find a model's chat templates; the first found wins.
 
-    Order: `override` (the --chat-template file; .json files are read like chat_template.json),
+    Order: `text` (a template's text, as `add_model` sends it), `override` (the --chat-template file; .json files are read like chat_template.json),
     chat_template.json in the model folder (a bare string or {"chat_template": ...}), chat_template.jinja
     (with additional_chat_templates/*.jinja as named ones, as transformers loads them), any other .jinja
     file (the first by name), then tokenizer_config["chat_template"] (a string, or a list of
     {"name", "template"}). Raises OSError or ValueError naming the file for a template that cannot be read.
     """
+    if text is not None:
+        return ChatTemplates(text, {}, "add_model chat_template (text)")
     if override is not None:
         return _from_override(override)
     if model_dir is not None:

@@ -10,6 +10,10 @@ broker replaces the worker (the watchdog).
 
 The broker going silent makes the worker reconnect with doubling backoff (the Paranoid Pirate
 worker). SIGTERM: say BYE, take what the broker sent before it read the BYE, finish, leave.
+
+Models load in the background when the broker says B_LOAD (loader.py); the poll watches the
+loader's pipe too, so a finished load is installed and said (W_LOADED) between two rounds. READY
+is built from the registry each time it goes out: it lists the models loaded at that moment.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from tokenbroker.common.process import resident_bytes
 from tokenbroker.common.protocol import (
     B_HEARTBEAT,
     B_JOBS,
+    B_LOAD,
     B_RESET,
+    B_UNLOAD,
     EXIT_BOOT_ERROR,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
@@ -46,6 +52,7 @@ from tokenbroker.common.protocol import (
     PROTOCOL_VERSION,
     W_BYE,
     W_HEARTBEAT,
+    W_LOADED,
     W_READY,
     Ready,
     pack,
@@ -53,6 +60,7 @@ from tokenbroker.common.protocol import (
     unpack_jobs,
 )
 
+from .loader import Catalog, Loader
 from .ops import Ops, PendingJob
 from .registry import ModelRegistry
 
@@ -64,15 +72,37 @@ MAX_ROUND_JOBS = 256  # jobs run in one round before their results go out
 WATCHDOG_GRACE_S = 2.0  # a round may run this long past its jobs' budgets before heartbeats stop
 
 
+def build_ready(config: WorkerConfig, name: str, incarnation: str, registry: ModelRegistry) -> Ready:
+    """READY as of now: the models loaded at this moment, with their names, fingerprints and infos."""
+    return Ready(
+        version=PROTOCOL_VERSION,
+        capacity=config.capacity,
+        name=name,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        models=[m.name for m in registry.models],
+        incarnation=incarnation,
+        fingerprints={m.name: m.fingerprint for m in registry.models},
+        names=[n for m in registry.models for n in m.names],
+        maps=[glob for glob, _ in config.models.tokenizer_map],
+        infos={m.name: m.info().to_wire() for m in registry.models},
+    )
+
+
 class Worker:
-    def __init__(self, ctx: zmq.Context, config: WorkerConfig, ready: Ready, ops: Ops, registry: ModelRegistry) -> None:
+    def __init__(self, ctx: zmq.Context, config: WorkerConfig, name: str, ops: Ops, registry: ModelRegistry) -> None:
         self.ctx = ctx
         self.config = config
-        self.ready = ready
+        self.name = name
+        self.incarnation = uuid.uuid4().hex  # a reconnect of this process keeps it
         self.ops = ops
         self.registry = registry
+        self.loader = Loader(config.models.cache)
+        self.catalog = Catalog(registry, self.loader, config.models.max_models)
         self.lock = threading.Lock()  # held by whoever touches `sock`
         self.sock: zmq.Socket | None = None
+        self.poller: zmq.Poller | None = None
+        self.unloads: list[bytes] = []  # B_UNLOAD bodies, applied after the jobs that came before them
         self.leaving = threading.Event()  # set on SIGTERM or SIGINT
         self.served = 0
         self.stats: dict = registry.cache_stats()
@@ -92,12 +122,18 @@ class Worker:
         sock.setsockopt(zmq.SNDTIMEO, int(HEARTBEAT_INTERVAL_S * 1000))
         apply_client_curve(sock, self.config.curve_server_key, self.config.curve_secret_key)  # common/curve.py
         sock.connect(self.config.connect)
-        sock.send_multipart([W_READY, self.ready.to_wire()])
+        sock.send_multipart([W_READY, self._ready()])
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(self.loader.fd, zmq.POLLIN)
         return sock
+
+    def _ready(self) -> bytes:
+        return build_ready(self.config, self.name, self.incarnation, self.registry).to_wire()
 
     def _heartbeat(self) -> list[bytes]:
         body = {
-            "incarnation": self.ready.incarnation,
+            "incarnation": self.incarnation,
             "pid": os.getpid(),
             "rss": resident_bytes(),
             "served": self.served,
@@ -136,9 +172,13 @@ class Worker:
                     bye_at = time.monotonic()
                 if bye_at is not None and (drained or time.monotonic() - bye_at > 2 * HEARTBEAT_INTERVAL_S):
                     break
-                if self.sock.poll(max(0.0, self.next_beat - time.monotonic()) * 1000):
+                events = dict(self.poller.poll(max(0.0, self.next_beat - time.monotonic()) * 1000))
+                if self.sock in events:
                     liveness, backoff, heard = HEARTBEAT_LIVENESS, RECONNECT_INIT_S, True
                     drained |= self._take(jobs, bye_at is not None)
+                if self.loader.fd in events:
+                    for loaded in self.catalog.finished():
+                        self._send([W_LOADED, loaded.to_wire()])
                 now = time.monotonic()
                 if now >= self.next_beat:
                     if self.orphaned():
@@ -159,12 +199,18 @@ class Worker:
                         liveness = HEARTBEAT_LIVENESS
             if jobs:
                 self._run_round(jobs)
+            while self.unloads:
+                self.catalog.unload(self.unloads.pop(0))
+        self.loader.close()
         with self.lock:
             self.sock.close(linger=2000)
             self.sock = None
 
     def _take(self, jobs: list[PendingJob], after_bye: bool) -> bool:
-        """Read what has arrived (up to a round's worth); True when a heartbeat followed our BYE."""
+        """Read what has arrived (up to a round's worth); True when a heartbeat followed our BYE.
+
+        An UNLOAD ends the reading: the jobs before it are served with the model, and what follows
+        it is read once the model is gone (the broker sends in order)."""
         drained = False
         now = time.monotonic()
         while len(jobs) < MAX_ROUND_JOBS:
@@ -182,7 +228,13 @@ class Worker:
                 drained |= after_bye  # the broker sends in order: every job it sent before is here
             elif kind == B_RESET and not after_bye:
                 log.warning("the broker had forgotten this worker (it was silent): saying READY again")
-                self._send([W_READY, self.ready.to_wire()])
+                self._send([W_READY, self._ready()])
+            elif kind == B_LOAD and len(frames) == 2:
+                for loaded in self.catalog.load(frames[1], leaving=after_bye or self.leaving.is_set()):
+                    self._send([W_LOADED, loaded.to_wire()])
+            elif kind == B_UNLOAD and len(frames) == 2:
+                self.unloads.append(frames[1])
+                break
             else:
                 log.warning("ignoring a backend message of kind %r with %d frames", kind[:8], len(frames))
         return drained
@@ -229,20 +281,8 @@ def serve(config: WorkerConfig) -> int:
     except BootError as e:
         print(f"tokenbroker worker: cannot load tokenizers: {e}", file=sys.stderr, flush=True)
         return EXIT_BOOT_ERROR
-    ready = Ready(
-        version=PROTOCOL_VERSION,
-        capacity=config.capacity,
-        name=name,
-        pid=os.getpid(),
-        host=socket.gethostname(),
-        models=[m.name for m in registry.models],
-        incarnation=uuid.uuid4().hex,
-        fingerprints={m.name: m.fingerprint for m in registry.models},
-        names=[n for m in registry.models for n in (m.name, *m.spec.aliases)],
-        maps=[glob for glob, _ in config.models.tokenizer_map],
-    )
     ctx = zmq.Context()
-    worker = Worker(ctx, config, ready, Ops(registry, name), registry)
+    worker = Worker(ctx, config, name, Ops(registry, name), registry)
     signal.signal(signal.SIGTERM, lambda *_: worker.leaving.set())
     signal.signal(signal.SIGINT, lambda *_: worker.leaving.set())
     worker.run()

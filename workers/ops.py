@@ -29,7 +29,6 @@ from tokenbroker.common.protocol import (
 
 from .count import count_request
 from .registry import CacheTally, ModelRegistry, WorkerCountEnv
-from .stream import decoder_for
 from .tokenizers import InvalidTokenId
 
 log = logging.getLogger(__name__)
@@ -272,7 +271,7 @@ class Ops:
         seqs = req(p, "seqs", list)
         self._batch_items(seqs, "seqs")
         model = self.registry.resolve(model_name)
-        return {"seqs": decoder_for(model.tokenizer, model.fingerprint).run(seqs)}
+        return {"seqs": model.stream_decoder().run(seqs)}
 
     def op_models(self, p: dict, model_name: str | None, fmt: str) -> dict:
         return {"models": self.registry.describe()}

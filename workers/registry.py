@@ -1,8 +1,11 @@
 """The models a worker holds: tokenizer, cache and chat template per model, and name resolution.
 
-Configured models load once at start (a worker that cannot load says so and exits); the counting
-ladder's OpenAI encodings and fallback load on first use, the encodings from local files only. The
-registry is an object the worker owns, never a module global.
+Configured models load at start (a worker that cannot load says so and exits): all of them, or only
+the default with --max-models-per-worker, the rest installed and let go as the broker says
+(loader.py loads them off the main thread; `install` and `unload` run on the main thread only, so
+`resolve` never sees a half-built state). The counting ladder's OpenAI encodings and fallback load
+on first use, the encodings from local files only. The registry is an object the worker owns, never
+a module global.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from typing import Callable
 
 from tokenbroker.common.config import EMBEDDED_DEFAULT, EMBEDDED_DEFAULT_NAME, CacheConfig, Limits, ModelConfig, ModelSpec
 from tokenbroker.common.errors import BootError, ProtocolError
+from tokenbroker.common.protocol import MAX_SPECIAL_TOKENS, ModelInfo
 
 from .cache import CacheOutcome, TokenCache
 from .chat import ChatRenderer, ChatTemplates, discover_chat_templates, special_tokens_from_config
 from .count_encodings import local_encoding, where_to_put
 from .modelmap import TokenizerMap
+from .stream import StreamDecoder
 from .tokenizers import Tokenizer, load_tokenizer, wrap_encoding
 
 log = logging.getLogger(__name__)
@@ -37,6 +42,7 @@ class Model:
     templates: ChatTemplates | None
     _renderer: ChatRenderer | None = field(default=None, repr=False)
     _fingerprint: str | None = field(default=None, repr=False)
+    _decoder: StreamDecoder | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -63,6 +69,25 @@ class Model:
             specials = {**self.tokenizer.named_specials, **special_tokens_from_config(self.tokenizer.tokenizer_config)}
             self._renderer = ChatRenderer(self.templates, specials)
         return self._renderer
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Its name, then its aliases: what resolves to it."""
+        return (self.spec.name, *self.spec.aliases)
+
+    def stream_decoder(self) -> StreamDecoder:
+        """The `detokenize_stream` decoder, built on first use and kept here, so it goes with the model."""
+        if self._decoder is None:
+            self._decoder = StreamDecoder(self.tokenizer, self.fingerprint)
+        return self._decoder
+
+    def info(self) -> ModelInfo:
+        """What READY and LOADED tell the broker of this model, within the bounds ModelInfo.from_wire checks."""
+        t = self.tokenizer
+        specials = sorted(s for s in t.special_tokens if len(s) <= 1024)[:MAX_SPECIAL_TOKENS]
+        return ModelInfo(kind=t.kind[:64], vocab_size=t.vocab_size, special_tokens=specials,
+                         chat_template=self.templates is not None, cached=self.cache.enabled,
+                         source=t.description[:1024])
 
     def describe(self) -> dict:
         t = self.tokenizer
@@ -106,7 +131,8 @@ class CacheTally:
         return {"l0": l0, "l1_reused_tokens": self.l1_reused}
 
 
-def _load_model(spec: ModelSpec, cache_config: CacheConfig) -> Model:
+def load_model(spec: ModelSpec, cache_config: CacheConfig) -> Model:
+    """Tokenizer, cache and chat templates of `spec`; BootError (or OSError, ValueError) says what is wrong."""
     tokenizer = load_tokenizer(spec.source, tokenizer_path=spec.tokenizer_path)
     cache = TokenCache(tokenizer, cache_config, name=spec.name)
     if cache_config.l1_enabled and not cache.l1_active:
@@ -116,7 +142,8 @@ def _load_model(spec: ModelSpec, cache_config: CacheConfig) -> Model:
         candidate = Path(spec.source)
         model_dir = candidate if candidate.is_dir() else None
     try:
-        templates = discover_chat_templates(model_dir, tokenizer.tokenizer_config, spec.chat_template)
+        templates = discover_chat_templates(model_dir, tokenizer.tokenizer_config, spec.chat_template,
+                                            text=spec.chat_template_text)
     except (OSError, ValueError) as e:
         raise BootError(f"model {spec.name!r}: cannot read its chat template: {e}") from e
     return Model(spec=spec, tokenizer=tokenizer, cache=cache, templates=templates)
@@ -134,14 +161,20 @@ def _local_encoding_model(name: str, cache_config: CacheConfig) -> Model | None:
 
 
 class ModelRegistry:
-    """Loads every configured model once, and resolves request model names to them."""
+    """The models loaded now, and how request model names resolve to them.
+
+    At start it loads every configured model, or only the default when `max_models` > 0. Only the
+    main thread (the one that serves jobs) calls `install` and `unload`, so lookups need no lock.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         self._config = config
-        self.models: list[Model] = [_load_model(spec, config.cache) for spec in config.models]
+        specs = config.models[:1] if config.max_models > 0 else config.models
+        self._default_name = config.models[0].name
+        self.models: list[Model] = [load_model(spec, config.cache) for spec in specs]
         self._by_name: dict[str, Model] = {}
         for m in self.models:
-            for n in (m.name, *m.spec.aliases):
+            for n in m.names:
                 self._by_name[n] = m
         self._map = TokenizerMap(config.tokenizer_map)
         self._extras: dict[str, Model | None] = {}
@@ -157,7 +190,47 @@ class ModelRegistry:
 
     @property
     def default(self) -> Model:
-        return self.models[0]
+        """The configured default model; unknown_model once the broker has had this worker let it go."""
+        model = self._by_name.get(self._default_name)
+        if model is None or model.name != self._default_name:
+            raise ProtocolError("unknown_model", f"field 'model': the default model {self._default_name!r} is not "
+                                "loaded on this worker")
+        return model
+
+    def get(self, name: str) -> Model | None:
+        """The loaded model with this exact name (not an alias), or None."""
+        model = self._by_name.get(name)
+        return model if model is not None and model.name == name else None
+
+    def clash(self, names: tuple[str, ...] | list[str]) -> str | None:
+        """A name or alias among `names` that a loaded model already answers to, or None."""
+        return next((n for n in names if n in self._by_name), None)
+
+    def install(self, model: Model) -> None:
+        """Serve `model` from now on (main thread only). Its names must be free (see `clash`)."""
+        taken = self.clash(model.names)
+        if taken is not None:
+            raise ValueError(f"model {model.name!r}: the name {taken!r} is already taken by model {self._by_name[taken].name!r}")
+        self.models.append(model)
+        for n in model.names:
+            self._by_name[n] = model
+        with self._extras_lock:  # counting finds this model for its source next time, not a copy loaded apart
+            self._extras.pop(model.spec.source, None)
+
+    def unload(self, name: str) -> Model | None:
+        """Let the model named `name` go (main thread only): its names, and every other reference this
+        registry holds, so its memory goes once the caller drops the returned model. None: not loaded."""
+        model = self.get(name)
+        if model is None:
+            return None
+        self.models.remove(model)
+        for n in model.names:
+            if self._by_name.get(n) is model:
+                del self._by_name[n]
+        with self._extras_lock:
+            for source in [s for s, m in self._extras.items() if m is model]:
+                del self._extras[source]
+        return model
 
     def find(self, name: str) -> Model | None:
         """Exact name or alias, then the --tokenizer-map globs; "" names nothing (even for a `*` glob)."""
@@ -197,7 +270,7 @@ class ModelRegistry:
                 elif loaded is None:
                     name = EMBEDDED_DEFAULT_NAME if source == EMBEDDED_DEFAULT else source
                     try:
-                        loaded = _load_model(ModelSpec(name=name, source=source), self._config.cache)
+                        loaded = load_model(ModelSpec(name=name, source=source), self._config.cache)
                     except BootError as e:
                         log.warning("tokenizer %s is not available here: %s", source, e)
                 self._extras[source] = loaded

@@ -1,0 +1,249 @@
+"""Which worker holds which model: loads, replicas and evictions. No socket, no clock.
+
+The broker decides; workers load in the background and say how it went (W_LOADED). With no cap
+(`--max-models-per-worker 0`) every worker holds every placeable model, as in protocol version 1:
+a worker that joins without one, or a model added at runtime, is loaded everywhere.
+
+With a cap N, a worker holds at most N models (held or loading), and `plan(now, ...)` decides:
+
+1. A model never loaded yet (a flag or add_model, state "loading") is loaded once, so the catalog
+   learns its fingerprint and a bad source fails at once, not on its first request.
+2. A model with queued requests and no worker holding or loading it is loaded on one worker.
+3. A model whose holders have all been full for `replica_after` while its requests queue gets one
+   more replica (one load at a time per model).
+4. A replica idle for `idle_after` is let go while its model has another one.
+
+A load goes to a worker with a free model slot (the fewest models, then the fewest loads under
+way); else a worker lets its least recently used model go first: one with no job of it held
+there and no request queued for it (or another holder). Loads lost with a worker that died are
+planned again, on another worker or its replacement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+REPLICA_AFTER_S = 0.05  # a model's holders all full this long, requests queued: add a replica
+IDLE_AFTER_S = 30.0  # a replica that served nothing this long goes, while another replica stays
+RETRY_AFTER_S = 1.0  # a worker that could not try a load (full, leaving) is asked again after this
+
+
+@dataclass(frozen=True)
+class Load:
+    wid: bytes
+    model: str
+
+
+@dataclass(frozen=True)
+class Unload:
+    wid: bytes
+    model: str
+
+
+@dataclass
+class Holding:
+    """One worker's models: loaded (with when each was last given a job) and loading (since when)."""
+
+    held: dict[str, float] = field(default_factory=dict)
+    loading: dict[str, float] = field(default_factory=dict)
+    pinned: set[str] = field(default_factory=set)  # its own models (not the catalog's): never let go
+    refused: set[str] = field(default_factory=set)  # models it must not be asked to load (a fingerprint mismatch)
+    draining: bool = False
+    busy_until: float = 0.0  # it could not try a load: not asked again before this
+
+    def count(self) -> int:
+        return len(self.held) + len(self.loading)
+
+
+class Placement:
+    def __init__(self, cap: int, *, replica_after: float = REPLICA_AFTER_S, idle_after: float = IDLE_AFTER_S) -> None:
+        self.cap = cap
+        self.replica_after = replica_after
+        self.idle_after = idle_after
+        self.workers: dict[bytes, Holding] = {}
+        self._holders: dict[str, frozenset[bytes]] = {}
+        self._starved_since: dict[str, float] = {}
+
+    # --- workers -------------------------------------------------------------------------
+
+    def add_worker(self, wid: bytes, models: Iterable[str], now: float, *, own: Iterable[str] = ()) -> None:
+        """A worker joined holding `models` (catalog names) and `own` models of its own."""
+        holding = Holding(held=dict.fromkeys(models, now), pinned=set(own))
+        holding.held.update(dict.fromkeys(own, now))
+        self.workers[wid] = holding
+        for model in holding.held:
+            self._index(model)
+
+    def drain_worker(self, wid: bytes) -> None:
+        holding = self.workers.get(wid)
+        if holding is not None:
+            holding.draining = True
+            for model in holding.held:
+                self._index(model)
+
+    def remove_worker(self, wid: bytes) -> None:
+        holding = self.workers.pop(wid, None)
+        if holding is not None:
+            for model in holding.held:
+                self._index(model)
+
+    # --- what workers said ---------------------------------------------------------------
+
+    def loaded(self, wid: bytes, model: str, now: float) -> bool:
+        """A load finished; False when the worker was not loading it (a stale or forged LOADED)."""
+        holding = self.workers.get(wid)
+        if holding is None or holding.loading.pop(model, None) is None:
+            return False
+        holding.held[model] = now
+        self._index(model)
+        return True
+
+    def failed(self, wid: bytes, model: str, now: float, *, retry: bool = False, refuse: bool = False) -> None:
+        holding = self.workers.get(wid)
+        if holding is None:
+            return
+        holding.loading.pop(model, None)
+        if retry:
+            holding.busy_until = now + RETRY_AFTER_S
+        if refuse:
+            holding.refused.add(model)
+        if holding.held.pop(model, None) is not None:
+            self._index(model)
+
+    def used(self, wid: bytes, model: str, now: float) -> None:
+        """A job of `model` went to `wid` (called per placed job: a dict store, nothing more)."""
+        holding = self.workers.get(wid)
+        if holding is not None and model in holding.held:
+            holding.held[model] = now
+
+    # --- reading -------------------------------------------------------------------------
+
+    def holders(self, model: str) -> frozenset[bytes]:
+        """The workers that hold `model` loaded and take jobs (the dispatcher's eligible set)."""
+        return self._holders.get(model, frozenset())
+
+    def loading(self, model: str) -> bool:
+        return any(model in h.loading for h in self.workers.values())
+
+    def replicas(self) -> dict[str, int]:
+        """How many workers hold each model loaded (the `models` reply's `workers`)."""
+        out: dict[str, int] = {}
+        for holding in self.workers.values():
+            for model in holding.held:
+                out[model] = out.get(model, 0) + 1
+        return out
+
+    # --- the policy ----------------------------------------------------------------------
+
+    def plan(self, now: float, *, models: list[str], new: set[str], demand: dict[str, int],
+             full: Callable[[bytes], bool], busy: Callable[[bytes, str], bool]) -> list[Load | Unload]:
+        """What to load and unload now.
+
+        `models`: the placeable catalog models, in catalog order; `new`: those never loaded yet;
+        `demand`: queued requests per model; `full(wid)`: the worker has no free job slot;
+        `busy(wid, model)`: the worker holds a job of that model.
+        """
+        if self.cap <= 0:
+            return self._everywhere(now, models)
+        actions: list[Load | Unload] = []
+        for model in models:
+            queued = demand.get(model, 0)
+            holders = self.holders(model)
+            if self.loading(model):
+                continue
+            if not holders:
+                if queued or (model in new and not self._held_anywhere(model)):
+                    actions += self._load_somewhere(model, now, demand, busy)
+                continue
+            if queued and all(full(w) for w in holders):
+                since = self._starved_since.setdefault(model, now)
+                if now - since >= self.replica_after:
+                    got = self._load_somewhere(model, now, demand, busy)
+                    if got:
+                        del self._starved_since[model]
+                    actions += got
+            else:
+                self._starved_since.pop(model, None)
+        actions += self._idle_replicas(now, demand, busy)
+        return actions
+
+    def _everywhere(self, now: float, models: list[str]) -> list[Load | Unload]:
+        actions: list[Load | Unload] = []
+        for wid, holding in self.workers.items():
+            if holding.draining or now < holding.busy_until:
+                continue
+            for model in models:
+                if model not in holding.held and model not in holding.loading and model not in holding.refused:
+                    actions.append(self._start(wid, model, now))
+        return actions
+
+    def _held_anywhere(self, model: str) -> bool:
+        return any(model in h.held for h in self.workers.values())
+
+    def _load_somewhere(self, model: str, now: float, demand: dict[str, int],
+                        busy: Callable[[bytes, str], bool]) -> list[Load | Unload]:
+        candidates = [(wid, h) for wid, h in self.workers.items()
+                      if not h.draining and now >= h.busy_until and model not in h.held
+                      and model not in h.loading and model not in h.refused]
+        roomy = [(h.count(), len(h.loading), wid) for wid, h in candidates if h.count() < self.cap]
+        if roomy:
+            return [self._start(min(roomy)[2], model, now)]
+        victims = []
+        for wid, h in candidates:
+            if len(h.loading) >= self.cap:
+                continue
+            for other, last in h.held.items():
+                if other in h.pinned or busy(wid, other):
+                    continue
+                if demand.get(other, 0) and len(self.holders(other)) <= 1:
+                    continue  # its requests are waiting for this very worker
+                victims.append((last, wid, other))
+        if not victims:
+            return []
+        _, wid, victim = min(victims)
+        return [self._stop(wid, victim), self._start(wid, model, now)]
+
+    def _idle_replicas(self, now: float, demand: dict[str, int], busy: Callable[[bytes, str], bool]) -> list[Load | Unload]:
+        actions: list[Load | Unload] = []
+        for wid, holding in self.workers.items():
+            for model, last in list(holding.held.items()):
+                if (now - last >= self.idle_after and model not in holding.pinned and len(self.holders(model)) > 1
+                        and not demand.get(model, 0) and not busy(wid, model)):
+                    actions.append(self._stop(wid, model))
+        return actions
+
+    def unload_everywhere(self, model: str, busy: Callable[[bytes, str], bool]) -> list[Unload] | None:
+        """remove_model: every holder lets it go once it holds no job of it; None while one still does."""
+        if any(model in h.held and busy(wid, model) for wid, h in self.workers.items()):
+            return None
+        out = []
+        for wid, holding in self.workers.items():
+            if model in holding.held or model in holding.loading:
+                holding.loading.pop(model, None)
+                out.append(self._stop(wid, model))
+        return out
+
+    def reset(self, model: str) -> None:
+        """add_model again: workers that failed it may be asked again."""
+        for holding in self.workers.values():
+            holding.refused.discard(model)
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _start(self, wid: bytes, model: str, now: float) -> Load:
+        self.workers[wid].loading[model] = now
+        return Load(wid, model)
+
+    def _stop(self, wid: bytes, model: str) -> Unload:
+        holding = self.workers[wid]
+        holding.held.pop(model, None)
+        self._index(model)
+        return Unload(wid, model)
+
+    def _index(self, model: str) -> None:
+        found = frozenset(wid for wid, h in self.workers.items() if model in h.held and not h.draining)
+        if found:
+            self._holders[model] = found
+        else:
+            self._holders.pop(model, None)

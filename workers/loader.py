@@ -1,0 +1,224 @@
+"""Loading models while the worker serves: the broker's B_LOAD and B_UNLOAD, and the W_LOADED answers.
+
+A tokenizer takes from a fraction of a second to many seconds to load (a 150,000-token vocabulary
+parsed, its fingerprint hashed), so it never loads on the main thread, which serves jobs: one loader
+thread takes loads one after another and hands each finished one back through a queue, writing a
+byte to a pipe that the main thread's poller watches, so a finished load is installed at once,
+between two rounds of jobs. The loader thread never touches the registry; `Catalog` does, on the
+main thread only, and turns every outcome into the `Loaded` the broker reads (docs/protocol.md,
+"The model catalog").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, replace
+
+from tokenbroker.common.config import CacheConfig, ModelSpec
+from tokenbroker.common.errors import BootError
+from tokenbroker.common.protocol import LoadSpec, Loaded
+
+from .registry import Model, ModelRegistry, load_model
+
+log = logging.getLogger(__name__)
+
+MAX_ERROR_CHARS = 4000  # Loaded.from_wire takes at most 4096
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One load asked for. `cancelled` is set by the main thread (an UNLOAD came first): the loader
+    skips it if it has not started, and the main thread discards its result."""
+
+    spec: ModelSpec
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A finished load: the model with its fingerprint and info, or the loader's message."""
+
+    ticket: Ticket
+    model: Model | None
+    error: str
+    seconds: float
+    info: dict | None = None  # ModelInfo.to_wire()
+
+    def loaded(self) -> Loaded:
+        """The LOADED message for it."""
+        name = self.ticket.spec.name
+        if self.model is None:
+            return Loaded(name, False, error=self.error, seconds=self.seconds)
+        return Loaded(name, True, fingerprint=self.model.fingerprint, info=self.info or {}, seconds=self.seconds)
+
+
+def spec_from_load(load: LoadSpec) -> ModelSpec:
+    """The ModelSpec a B_LOAD describes: `chat_template` is text (add_model), `chat_template_file` a path.
+
+    >>> spec = spec_from_load(LoadSpec("m", "/models/m", ["m-alias"], chat_template="{{ messages }}"))
+    >>> spec.aliases, spec.chat_template_text, spec.chat_template
+    (('m-alias',), '{{ messages }}', None)
+    """
+    return ModelSpec(name=load.name, source=load.source, aliases=tuple(load.aliases),
+                     tokenizer_path=load.tokenizer_path, chat_template=load.chat_template_file,
+                     chat_template_text=load.chat_template)
+
+
+def load_outcome(ticket: Ticket, cache_config: CacheConfig) -> Outcome:
+    """Load a model and compute all the broker will be told of it (the costly part, off the main thread).
+    Any failure becomes the message: BootError says what was wrong with which path or id."""
+    spec = ticket.spec
+    start = time.monotonic()
+    try:
+        model = load_model(spec, cache_config)
+        outcome = Outcome(ticket, model, "", 0.0, model.info().to_wire())
+        # .loaded() hashes the vocabulary (Model.fingerprint, kept); from_wire: the broker will take it
+        Loaded.from_wire(outcome.loaded().to_wire())
+        return replace(outcome, seconds=time.monotonic() - start)
+    except Exception as e:  # BootError, OSError, ValueError, a tokenizer library's own: all the source's fault
+        message = str(e) if isinstance(e, BootError) else f"{type(e).__name__}: {e}"
+        error = f"cannot load model {spec.name!r} from {spec.source!r}: {message}"
+        return Outcome(ticket, None, error[:MAX_ERROR_CHARS], time.monotonic() - start)
+
+
+class Loader:
+    """One background thread that loads tickets in order; `fd` becomes readable when one is done."""
+
+    def __init__(self, cache_config: CacheConfig) -> None:
+        self._cache_config = cache_config
+        self._todo: queue.SimpleQueue[Ticket | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def fd(self) -> int:
+        """Poll this for reading: a load has finished."""
+        return self._wake_r
+
+    def submit(self, ticket: Ticket) -> None:
+        if self._thread is None:  # started on the first load: a worker that never loads has no thread
+            self._thread = threading.Thread(target=self._run, name="tokenbroker-loader", daemon=True)
+            self._thread.start()
+        self._todo.put(ticket)
+
+    def finished(self) -> list[Outcome]:
+        """Every load finished since the last call (main thread)."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        """Stop the thread after the load it is running (it is a daemon: a process leaving does not wait)."""
+        self._todo.put(None)
+
+    def _run(self) -> None:
+        while (ticket := self._todo.get()) is not None:
+            if ticket.cancelled:
+                outcome = Outcome(ticket, None, "cancelled", 0.0)
+            else:
+                outcome = load_outcome(ticket, self._cache_config)
+                log.info("model %s: %s in %.2fs", ticket.spec.name, "loaded" if outcome.model else outcome.error,
+                         outcome.seconds)
+            del ticket
+            self._done.put(outcome)
+            del outcome  # the main thread holds the only reference: unloading it frees it
+            try:
+                os.write(self._wake_w, b"!")
+            except BlockingIOError:  # the pipe is full: the main thread has wake-ups enough
+                pass
+
+
+class Catalog:
+    """The worker's side of the catalog, on the main thread: answers B_LOAD and B_UNLOAD, and installs
+    finished loads. Every method returns the `Loaded` messages to send, in order.
+
+    - a LOAD for a model already loaded answers ok at once; one already loading answers when it ends;
+    - with `max_models` > 0, a LOAD that would take the worker past it (loaded + loading) answers
+      retry=True at once (the broker unloads before it loads: this is a guard), as does one while leaving;
+    - an UNLOAD of a loading model discards its result when it finishes: no LOADED is sent.
+    """
+
+    def __init__(self, registry: ModelRegistry, loader: Loader, max_models: int) -> None:
+        self.registry = registry
+        self.loader = loader
+        self.max_models = max_models
+        self.loading: dict[str, Ticket] = {}  # name -> the load that will install it
+
+    def load(self, body: bytes, *, leaving: bool = False) -> list[Loaded]:
+        try:
+            spec = spec_from_load(LoadSpec.from_wire(body))
+        except Exception as e:  # not MessagePack, a field missing or mistyped: drop it, keep serving
+            log.warning("ignoring a malformed LOAD (%d bytes): %s", len(body), e)
+            return []
+        name = spec.name
+        model = self.registry.get(name)
+        if model is not None:
+            return [Loaded(name, True, fingerprint=model.fingerprint, info=model.info().to_wire())]
+        if name in self.loading:
+            return []  # its LOADED goes out when it finishes
+        if leaving:
+            return [Loaded(name, False, error="this worker is leaving (SIGTERM): load it elsewhere", retry=True)]
+        held = len(self.registry.models) + len(self.loading)
+        if self.max_models > 0 and held >= self.max_models:
+            return [Loaded(name, False, retry=True, error=f"this worker holds {held} models (loaded and loading), "
+                           f"its most (--max-models-per-worker {self.max_models}): unload one first")]
+        taken = self._taken((name, *spec.aliases))
+        if taken is not None:
+            return [Loaded(name, False, error=f"the name {taken!r} is already taken by another model on this worker")]
+        ticket = Ticket(spec)
+        self.loading[name] = ticket
+        self.loader.submit(ticket)
+        log.info("model %s: loading %s in the background", name, spec.source)
+        return []
+
+    def _taken(self, names: tuple[str, ...]) -> str | None:
+        """A name among `names` that a loaded or loading model answers to."""
+        loading = {n for t in self.loading.values() for n in (t.spec.name, *t.spec.aliases)}
+        return self.registry.clash(names) or next((n for n in names if n in loading), None)
+
+    def unload(self, body: bytes) -> None:
+        try:
+            name = body.decode("utf-8")
+        except UnicodeDecodeError:
+            log.warning("ignoring an UNLOAD whose name is not UTF-8 (%d bytes)", len(body))
+            return
+        ticket = self.loading.pop(name, None)
+        if ticket is not None:
+            ticket.cancelled = True
+            log.info("model %s: unloaded while loading; its load will be discarded", name)
+        elif self.registry.unload(name) is not None:
+            log.info("model %s: unloaded", name)
+        else:
+            log.debug("ignoring an UNLOAD of %r: not loaded here", name)
+
+    def finished(self) -> list[Loaded]:
+        """Install the loads that finished; their LOADED messages (none for a cancelled one)."""
+        out = []
+        for outcome in self.loader.finished():
+            ticket, name = outcome.ticket, outcome.ticket.spec.name
+            if ticket.cancelled or self.loading.get(name) is not ticket:
+                continue  # unloaded meanwhile: its model goes with this outcome
+            del self.loading[name]
+            if outcome.model is not None:
+                try:
+                    self.registry.install(outcome.model)
+                except ValueError as e:  # cannot happen while `load` checks names; said, never raised
+                    out.append(Loaded(name, False, error=str(e)[:MAX_ERROR_CHARS], seconds=outcome.seconds))
+                    continue
+            out.append(outcome.loaded())
+        return out
