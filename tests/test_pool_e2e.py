@@ -178,7 +178,7 @@ def test_cli_client_prints_json(multi_broker):
     tokens = run("tokenize", "hello world", "--model", "bert")["tokens"]
     assert tokens[0] == 101 and tokens[-1] == 102
     assert run("detokenize", *map(str, tokens), "--model", "bert")["text"] == "hello world"
-    assert {m["name"] for m in run("models")["models"]} >= {"deepseek", "bert"}
+    assert {m["name"] for m in run("models", "--json")["models"]} >= {"deepseek", "bert"}
 
 
 def test_a_long_request_is_served_and_its_worker_not_taken_for_hung():

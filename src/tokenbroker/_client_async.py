@@ -136,7 +136,12 @@ class AsyncClient:
 
     async def add_model(self, name: str, source: str, *, aliases: Sequence[str] = (), chat_template: str | None = None,
                         timeout: float | None = None) -> res.ModelState:
-        """Admin op (1.1): add a model to the catalog; it loads in the background."""
+        """Admin op (1.1): add a model to the catalog; it loads in the background (`models` shows how it went).
+
+        `source` is any model form of `--model`; `chat_template` is the template's text, not a path.
+        """
+        if isinstance(aliases, (str, bytes)):  # a lone name would otherwise travel as its characters
+            raise TypeError(f"aliases: give a list of names, got the {type(aliases).__name__} {aliases!r}")
         body: dict[str, Any] = {"op": "add_model", "name": name, "source": source, "aliases": list(aliases)}
         if chat_template is not None:
             body["chat_template"] = chat_template
