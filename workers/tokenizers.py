@@ -365,6 +365,9 @@ def _load_encoding(found: _Found, config: dict, named: dict[str, str]) -> Tiktok
     assert name is not None
     try:
         enc = tiktoken.get_encoding(name)
+        # tiktoken keeps every encoding it built in a process-wide cache; the model owns this one,
+        # so letting the model go (B_UNLOAD) frees it.
+        getattr(tiktoken, "registry", None) and tiktoken.registry.ENCODINGS.pop(name, None)
     except Exception as e:
         cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or "its temp-dir cache"
         raise BootError(
