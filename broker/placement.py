@@ -14,19 +14,27 @@ With a cap N, a worker holds at most N models (held or loading), and `plan(now, 
 4. A replica idle for `idle_after` is let go while its model has another one.
 
 A load goes to a worker with a free model slot (the fewest models, then the fewest loads under
-way); else a worker lets its least recently used model go first: one with no job of it held
-there and no request queued for it (or another holder). Loads lost with a worker that died are
-planned again, on another worker or its replacement.
+way); else a worker lets a model go first: the coldest (fewest recent requests, decayed over
+`HEAT_HALF_LIFE_S`; then the least recently used) that holds no job there, has no request queued
+for it (or another holder), and has been loaded for at least `min_residency`. The heat keeps the
+models that carry the traffic in place while the rest take turns in the remaining slots, and the
+residency bounds how often a slot can change hands, so a pool too small for its models degrades
+into waiting for loads instead of spending its time loading (a worker loads one model at a time).
+Loads lost with a worker that died are planned again, on another worker or its replacement.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 REPLICA_AFTER_S = 0.05  # a model's holders all full this long, requests queued: add a replica
 IDLE_AFTER_S = 30.0  # a replica that served nothing this long goes, while another replica stays
 RETRY_AFTER_S = 1.0  # a worker that could not try a load (full, leaving) is asked again after this
+MIN_RESIDENCY_S = 1.0  # a model loaded this recently is not let go for another
+HEAT_HALF_LIFE_S = 10.0  # a model's request count halves over this: what "recent traffic" means
+_DECAY = math.log(2) / HEAT_HALF_LIFE_S
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,7 @@ class Holding:
 
     held: dict[str, float] = field(default_factory=dict)
     loading: dict[str, float] = field(default_factory=dict)
+    since: dict[str, float] = field(default_factory=dict)  # when each held model finished loading
     pinned: set[str] = field(default_factory=set)  # its own models (not the catalog's): never let go
     refused: set[str] = field(default_factory=set)  # models it must not be asked to load (a fingerprint mismatch)
     draining: bool = False
@@ -57,10 +66,13 @@ class Holding:
 
 
 class Placement:
-    def __init__(self, cap: int, *, replica_after: float = REPLICA_AFTER_S, idle_after: float = IDLE_AFTER_S) -> None:
+    def __init__(self, cap: int, *, replica_after: float = REPLICA_AFTER_S, idle_after: float = IDLE_AFTER_S,
+                 min_residency: float = MIN_RESIDENCY_S) -> None:
         self.cap = cap
         self.replica_after = replica_after
         self.idle_after = idle_after
+        self.min_residency = min_residency
+        self._heat: dict[str, tuple[float, float]] = {}  # model -> (decayed request count, as of when)
         self.workers: dict[bytes, Holding] = {}
         self._holders: dict[str, frozenset[bytes]] = {}
         self._starved_since: dict[str, float] = {}
@@ -96,6 +108,7 @@ class Placement:
         if holding is None or holding.loading.pop(model, None) is None:
             return False
         holding.held[model] = now
+        holding.since[model] = now
         self._index(model)
         return True
 
@@ -116,6 +129,13 @@ class Placement:
         holding = self.workers.get(wid)
         if holding is not None and model in holding.held:
             holding.held[model] = now
+        count, at = self._heat.get(model, (0.0, now))
+        self._heat[model] = (count * math.exp(_DECAY * (at - now)) + 1.0, now)
+
+    def heat(self, model: str, now: float) -> float:
+        """A model's recent requests: each counts 1, halving every HEAT_HALF_LIFE_S."""
+        count, at = self._heat.get(model, (0.0, now))
+        return count * math.exp(_DECAY * (at - now))
 
     # --- reading -------------------------------------------------------------------------
 
@@ -191,17 +211,17 @@ class Placement:
             return [self._start(min(roomy)[2], model, now)]
         victims = []
         for wid, h in candidates:
-            if len(h.loading) >= self.cap:
-                continue
+            if h.loading:
+                continue  # one load at a time per worker: it keeps serving its other models meanwhile
             for other, last in h.held.items():
-                if other in h.pinned or busy(wid, other):
+                if other in h.pinned or busy(wid, other) or now - h.since.get(other, -math.inf) < self.min_residency:
                     continue
                 if demand.get(other, 0) and len(self.holders(other)) <= 1:
                     continue  # its requests are waiting for this very worker
-                victims.append((last, wid, other))
+                victims.append((self.heat(other, now), last, wid, other))
         if not victims:
             return []
-        _, wid, victim = min(victims)
+        *_, wid, victim = min(victims)
         return [self._stop(wid, victim), self._start(wid, model, now)]
 
     def _idle_replicas(self, now: float, demand: dict[str, int], busy: Callable[[bytes, str], bool]) -> list[Load | Unload]:
@@ -238,6 +258,7 @@ class Placement:
     def _stop(self, wid: bytes, model: str) -> Unload:
         holding = self.workers[wid]
         holding.held.pop(model, None)
+        holding.since.pop(model, None)
         self._index(model)
         return Unload(wid, model)
 

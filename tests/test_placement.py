@@ -138,3 +138,19 @@ def test_the_catalog_adds_refuses_conflicts_retries_failures_and_drops():
     c.drop("qwen")
     assert c.resolve("qw").name == "deepseek"  # the "*" glob now
     assert "qwen" not in {m["name"] for m in c.describe({})}
+
+
+def test_the_coldest_model_goes_first_and_a_fresh_load_stays_for_its_residency():
+    p = Placement(2, min_residency=1.0)
+    p.add_worker(W1, [], 0.0)
+    for model in ("hot", "cold"):
+        assert plan(p, 0.0, [model], demand={model: 1}) == [Load(W1, model)]
+        p.loaded(W1, model, 0.1)
+    for t in range(20):
+        p.used(W1, "hot", 1.0 + t / 100)
+    p.used(W1, "cold", 1.5)  # used last, but far less
+    assert plan(p, 1.2, ["hot", "cold", "new"], demand={"new": 1}) == [Unload(W1, "cold"), Load(W1, "new")]
+    p.loaded(W1, "new", 1.3)
+    assert plan(p, 1.8, ["hot", "cold", "new"], demand={"cold": 1}) == []  # "new" has been here 0.5 s only
+    assert plan(p, 2.4, ["hot", "cold", "new"], demand={"cold": 1}) == [Unload(W1, "new"), Load(W1, "cold")]
+    assert p.heat("hot", 11.2) == pytest.approx(p.heat("hot", 1.2) / 2)  # halves every 10 s
