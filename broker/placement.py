@@ -213,12 +213,16 @@ class Placement:
         for wid, h in candidates:
             if h.loading:
                 continue  # one load at a time per worker: it keeps serving its other models meanwhile
+            mine = []
             for other, last in h.held.items():
-                if other in h.pinned or busy(wid, other) or now - h.since.get(other, -math.inf) < self.min_residency:
+                if other in h.pinned or busy(wid, other):
                     continue
                 if demand.get(other, 0) and len(self.holders(other)) <= 1:
                     continue  # its requests are waiting for this very worker
-                victims.append((self.heat(other, now), last, wid, other))
+                mine.append((self.heat(other, now), last, wid, other))
+            coldest = min(mine, default=None)
+            if coldest is not None and now - h.since.get(coldest[-1], -math.inf) >= self.min_residency:
+                victims.append(coldest)  # (a coldest one loaded just now: wait for it, rather than evict a hotter one)
         if not victims:
             return []
         *_, wid, victim = min(victims)
