@@ -10,6 +10,7 @@ never tokenizes and never decodes a reply.
 from __future__ import annotations
 
 import heapq
+from dataclasses import replace
 import logging
 import signal
 import socket
@@ -525,9 +526,11 @@ class Broker:
         for action in self.placement.plan(now, models=[e.name for e in entries],
                                           new={e.name for e in entries if e.state == LOADING},
                                           demand=self.dispatcher.demand, full=self.dispatcher.full,
-                                          busy=self.dispatcher.holds_model):
+                                          busy=self.dispatcher.holds_model,
+                                          fingerprints={e.name: e.fingerprint for e in entries if e.fingerprint}):
             if isinstance(action, Load):
-                self.backend.send_load(action.wid, self.catalog.entries[action.model].spec)
+                spec = self.catalog.entries[action.model].spec
+                self.backend.send_load(action.wid, replace(spec, share=action.share) if action.share else spec)
             else:
                 self.backend.send_unload(action.wid, action.model)
 

@@ -41,6 +41,7 @@ _DECAY = math.log(2) / HEAT_HALF_LIFE_S
 class Load:
     wid: bytes
     model: str
+    share: str | None = None  # a model the worker holds with the same fingerprint: serve with its tokenizer
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Placement:
         self.idle_after = idle_after
         self.min_residency = min_residency
         self._heat: dict[str, tuple[float, float]] = {}  # model -> (decayed request count, as of when)
+        self._fingerprints: dict[str, str] = {}  # model -> its fingerprint, once a worker loaded it
         self.workers: dict[bytes, Holding] = {}
         self._holders: dict[str, frozenset[bytes]] = {}
         self._starved_since: dict[str, float] = {}
@@ -157,13 +159,17 @@ class Placement:
     # --- the policy ----------------------------------------------------------------------
 
     def plan(self, now: float, *, models: list[str], new: set[str], demand: dict[str, int],
-             full: Callable[[bytes], bool], busy: Callable[[bytes, str], bool]) -> list[Load | Unload]:
+             full: Callable[[bytes], bool], busy: Callable[[bytes, str], bool],
+             fingerprints: dict[str, str] | None = None) -> list[Load | Unload]:
         """What to load and unload now.
 
         `models`: the placeable catalog models, in catalog order; `new`: those never loaded yet;
         `demand`: queued requests per model; `full(wid)`: the worker has no free job slot;
-        `busy(wid, model)`: the worker holds a job of that model.
+        `busy(wid, model)`: the worker holds a job of that model; `fingerprints`: the known ones.
+        Models with the same fingerprint are one tokenizer: a worker holding one serves another
+        by sharing it (a slot counts tokenizers, not names), and lets them go together.
         """
+        self._fingerprints = fingerprints or {}
         if self.cap <= 0:
             return self._everywhere(now, models)
         actions: list[Load | Unload] = []
@@ -195,8 +201,23 @@ class Placement:
                 continue
             for model in models:
                 if model not in holding.held and model not in holding.loading and model not in holding.refused:
-                    actions.append(self._start(wid, model, now))
+                    actions.append(self._start(wid, model, now, self._twin(holding, model)))
         return actions
+
+    def _key(self, model: str) -> str:
+        """What a slot holds: the model's tokenizer (its fingerprint), or the model itself while unknown."""
+        return self._fingerprints.get(model) or "\0" + model
+
+    def _twin(self, holding: Holding, model: str) -> str | None:
+        """A model the worker holds with the same (known) fingerprint as `model`, if any."""
+        fingerprint = self._fingerprints.get(model)
+        if not fingerprint:
+            return None
+        return next((m for m in holding.held if self._fingerprints.get(m) == fingerprint), None)
+
+    def slots(self, holding: Holding) -> int:
+        """The tokenizers a worker holds or is loading (names sharing one count once)."""
+        return len({self._key(m) for m in (*holding.held, *holding.loading)})
 
     def _held_anywhere(self, model: str) -> bool:
         return any(model in h.held for h in self.workers.values())
@@ -206,27 +227,34 @@ class Placement:
         candidates = [(wid, h) for wid, h in self.workers.items()
                       if not h.draining and now >= h.busy_until and model not in h.held
                       and model not in h.loading and model not in h.refused]
-        roomy = [(h.count(), len(h.loading), wid) for wid, h in candidates if h.count() < self.cap]
+        twins = [(self.slots(h), wid, twin) for wid, h in candidates if (twin := self._twin(h, model)) is not None]
+        if twins:  # no load, no slot: the worker serves it with the tokenizer it has
+            _, wid, twin = min(twins)
+            return [self._start(wid, model, now, twin)]
+        roomy = [(self.slots(h), len(h.loading), wid) for wid, h in candidates if self.slots(h) < self.cap]
         if roomy:
             return [self._start(min(roomy)[2], model, now)]
         victims = []
         for wid, h in candidates:
             if h.loading:
                 continue  # one load at a time per worker: it keeps serving its other models meanwhile
+            groups: dict[str, list[str]] = {}
+            for other in h.held:
+                groups.setdefault(self._key(other), []).append(other)
             mine = []
-            for other, last in h.held.items():
-                if other in h.pinned or busy(wid, other):
-                    continue
-                if demand.get(other, 0) and len(self.holders(other)) <= 1:
-                    continue  # its requests are waiting for this very worker
-                mine.append((self.heat(other, now), last, wid, other))
-            coldest = min(mine, default=None)
-            if coldest is not None and now - h.since.get(coldest[-1], -math.inf) >= self.min_residency:
+            for members in groups.values():
+                if any(m in h.pinned or busy(wid, m) or (demand.get(m, 0) and len(self.holders(m)) <= 1)
+                       for m in members):
+                    continue  # held here for its jobs, or its requests wait for this very worker
+                mine.append((sum(self.heat(m, now) for m in members), max(h.held[m] for m in members),
+                             max(h.since.get(m, -math.inf) for m in members), wid, members))
+            coldest = min(mine, key=lambda v: v[:2], default=None)
+            if coldest is not None and now - coldest[2] >= self.min_residency:
                 victims.append(coldest)  # (a coldest one loaded just now: wait for it, rather than evict a hotter one)
         if not victims:
             return []
-        *_, wid, victim = min(victims)
-        return [self._stop(wid, victim), self._start(wid, model, now)]
+        *_, wid, members = min(victims, key=lambda v: v[:2])
+        return [*(self._stop(wid, m) for m in members), self._start(wid, model, now)]
 
     def _idle_replicas(self, now: float, demand: dict[str, int], busy: Callable[[bytes, str], bool]) -> list[Load | Unload]:
         actions: list[Load | Unload] = []
@@ -255,9 +283,9 @@ class Placement:
 
     # --- internals -----------------------------------------------------------------------
 
-    def _start(self, wid: bytes, model: str, now: float) -> Load:
+    def _start(self, wid: bytes, model: str, now: float, share: str | None = None) -> Load:
         self.workers[wid].loading[model] = now
-        return Load(wid, model)
+        return Load(wid, model, share)
 
     def _stop(self, wid: bytes, model: str) -> Unload:
         holding = self.workers[wid]

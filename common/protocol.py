@@ -422,7 +422,10 @@ class LoadSpec:
     """B_LOAD's body: a model to load, as `add_model` or the broker's flags give it.
 
     `chat_template` is the template's text (add_model); `chat_template_file` a path on the worker's
-    host (a flag); `tokenizer_path` overrides where the tokenizer itself loads from.
+    host (a flag); `tokenizer_path` overrides where the tokenizer itself loads from. `share` names a
+    model the worker holds with the same fingerprint (the same tokenizer, template and options, as
+    the broker learned from earlier loads): the worker serves this name with that model's tokenizer
+    and caches, at no cost in memory, instead of loading it again.
     """
 
     name: str
@@ -431,6 +434,7 @@ class LoadSpec:
     chat_template: str | None = None
     chat_template_file: str | None = None
     tokenizer_path: str | None = None
+    share: str | None = None
 
     def to_wire(self) -> bytes:
         return pack(self.__dict__)
@@ -453,6 +457,7 @@ class LoadSpec:
             chat_template=_checked_str(d, "chat_template", "LOAD", limit=MAX_TEXT_FIELD, optional=True),
             chat_template_file=_checked_str(d, "chat_template_file", "LOAD", limit=4096, optional=True),
             tokenizer_path=_checked_str(d, "tokenizer_path", "LOAD", limit=4096, optional=True),
+            share=_checked_str(d, "share", "LOAD", optional=True),
         )
 
 

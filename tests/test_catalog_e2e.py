@@ -244,3 +244,19 @@ def test_without_curve_admin_ops_are_allowed_on_loopback_connections_only():
             assert local.call("add_model", name="bert", source=str(BERT_DIR))["ok"]
         finally:
             remote.close()
+
+
+def test_two_names_of_one_tokenizer_share_one_slot():
+    ref = reference(BERT_DIR / "tokenizer.json")
+    with serving("--model-path", str(BERT_DIR), "--served-model-name", "bert", "--model", f"bert-2={BERT_DIR}",
+                 "--max-models-per-worker", "1", workers=1) as (broker, conn):
+        # bert-2 is loaded once to learn its fingerprint (bert goes for it: one slot); then bert, the
+        # same tokenizer, is served by sharing it instead of loading it again
+        wait_until(lambda: state_of(conn, "bert-2") == "ready", timeout=60, what="bert-2's first load")
+        for name in ("bert", "bert-2", "bert"):
+            got = conn.call("tokenize", model=name, text="one tokenizer, two names")
+            assert got["ok"] and got["tokens"] == ref.encode("one tokenizer, two names").ids
+        listed = models(conn)
+        assert listed["bert"]["workers"] == listed["bert-2"]["workers"] == 1
+        assert listed["bert"]["fingerprint"] == listed["bert-2"]["fingerprint"]
+        assert any("served with the tokenizer of model bert-2" in line for line in broker.log), broker.log[-20:]

@@ -154,3 +154,15 @@ def test_the_coldest_model_goes_first_and_a_fresh_load_stays_for_its_residency()
     assert plan(p, 1.8, ["hot", "cold", "new"], demand={"cold": 1}) == []  # "new" has been here 0.5 s only
     assert plan(p, 2.4, ["hot", "cold", "new"], demand={"cold": 1}) == [Unload(W1, "new"), Load(W1, "cold")]
     assert p.heat("hot", 11.2) == pytest.approx(p.heat("hot", 1.2) / 2)  # halves every 10 s
+
+
+def test_models_with_one_fingerprint_share_a_slot_and_go_together():
+    p = Placement(1, min_residency=0.0)
+    fps = {"a": "f1", "a2": "f1", "b": "f2"}
+    p.add_worker(W1, ["a"], 0.0)
+    assert p.plan(1.0, models=["a", "a2", "b"], new=set(), demand={"a2": 1}, full=never, busy=never,
+                  fingerprints=fps) == [Load(W1, "a2", share="a")]  # the same tokenizer: no load, no slot
+    p.loaded(W1, "a2", 1.0)
+    assert p.slots(p.workers[W1]) == 1
+    assert p.plan(2.0, models=["a", "a2", "b"], new=set(), demand={"b": 1}, full=never, busy=never,
+                  fingerprints=fps) == [Unload(W1, "a"), Unload(W1, "a2"), Load(W1, "b")]

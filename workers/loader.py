@@ -161,11 +161,15 @@ class Catalog:
 
     def load(self, body: bytes, *, leaving: bool = False) -> list[Loaded]:
         try:
-            spec = spec_from_load(LoadSpec.from_wire(body))
+            wire = LoadSpec.from_wire(body)
+            spec = spec_from_load(wire)
         except Exception as e:  # not MessagePack, a field missing or mistyped: drop it, keep serving
             log.warning("ignoring a malformed LOAD (%d bytes): %s", len(body), e)
             return []
         name = spec.name
+        shared = self.registry.get(wire.share) if wire.share else None
+        if shared is not None and self.registry.get(name) is None and name not in self.loading:
+            return self._share(spec, shared)
         model = self.registry.get(name)
         if model is not None:
             return [Loaded(name, True, fingerprint=model.fingerprint, info=model.info().to_wire())]
@@ -173,7 +177,7 @@ class Catalog:
             return []  # its LOADED goes out when it finishes
         if leaving:
             return [Loaded(name, False, error="this worker is leaving (SIGTERM): load it elsewhere", retry=True)]
-        held = len(self.registry.models) + len(self.loading)
+        held = self.registry.tokenizers() + len(self.loading)
         if self.max_models > 0 and held >= self.max_models:
             return [Loaded(name, False, retry=True, error=f"this worker holds {held} models (loaded and loading), "
                            f"its most (--max-models-per-worker {self.max_models}): unload one first")]
@@ -185,6 +189,17 @@ class Catalog:
         self.loader.submit(ticket)
         log.info("model %s: loading %s in the background", name, spec.source)
         return []
+
+    def _share(self, spec: ModelSpec, shared: Model) -> list[Loaded]:
+        """Serve `spec`'s names with a loaded model's tokenizer, caches and templates (the broker
+        says their fingerprints are equal): installed at once, no new tokenizer held."""
+        taken = self._taken((spec.name, *spec.aliases))
+        if taken is not None:
+            return [Loaded(spec.name, False, error=f"the name {taken!r} is already taken by another model on this worker")]
+        model = shared.sharing(spec)
+        self.registry.install(model)
+        log.info("model %s: served with the tokenizer of model %s (same fingerprint)", spec.name, shared.name)
+        return [Loaded(spec.name, True, fingerprint=model.fingerprint, info=model.info().to_wire())]
 
     def _taken(self, names: tuple[str, ...]) -> str | None:
         """A name among `names` that a loaded or loading model answers to."""

@@ -47,6 +47,11 @@ class Model:
     def name(self) -> str:
         return self.spec.name
 
+    def sharing(self, spec: ModelSpec) -> "Model":
+        """Another name for this model's tokenizer, caches and templates (LOAD with `share`)."""
+        return Model(spec=spec, tokenizer=self.tokenizer, cache=self.cache, templates=self.templates,
+                     _fingerprint=self._fingerprint, _decoder=self._decoder)
+
     @property
     def fingerprint(self) -> str:
         """The hex SHA-256 of all that can change an id or a prompt (workers/fingerprint.py), computed once."""
@@ -171,6 +176,10 @@ class ModelRegistry:
             raise ProtocolError("unknown_model", f"field 'model': the default model {self._default_name!r} is not "
                                 "loaded on this worker")
         return model
+
+    def tokenizers(self) -> int:
+        """How many distinct tokenizers are loaded (names sharing one count once)."""
+        return len({id(m.tokenizer) for m in self.models})
 
     def get(self, name: str) -> Model | None:
         """The loaded model with this exact name (not an alias), or None."""
