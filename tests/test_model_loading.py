@@ -382,6 +382,19 @@ def test_a_load_past_the_cap_answers_retry(peer: BackendPeer, deepseek) -> None:
     assert peer.tokenize("qwen")["ok"]
 
 
+def test_names_of_one_tokenizer_share_it_and_count_once_against_the_cap(peer: BackendPeer, bert: Model) -> None:
+    peer.load("bert-by-share", BERT_DIR, share="bert")  # the broker knows the fingerprints are equal
+    shared = peer.loaded("bert-by-share")
+    assert shared.ok and shared.fingerprint == bert.fingerprint and shared.seconds == 0.0
+    peer.load("bert-again", BERT_DIR)  # loaded for real (fingerprint unknown), then found to be a twin
+    again = peer.loaded("bert-again")
+    assert again.ok and again.fingerprint == bert.fingerprint
+    peer.load("qwen", QWEN_TIKTOKEN)  # three names, one tokenizer: a second fits under --max-models-per-worker 2
+    assert peer.loaded("qwen").ok
+    for name in ("bert", "bert-by-share", "bert-again"):
+        assert peer.tokenize(name)["tokens"] == bert.tokenizer.encode(TEXT)
+
+
 MALFORMED_LOADS = {
     "not MessagePack": [B_LOAD, b"\xc1"],
     "a list": [B_LOAD, msgpack.packb(["x", "y"])],

@@ -230,9 +230,15 @@ class Catalog:
             if ticket.cancelled or self.loading.get(name) is not ticket:
                 continue  # unloaded meanwhile: its model goes with this outcome
             del self.loading[name]
-            if outcome.model is not None:
+            model = outcome.model
+            if model is not None:
+                twin = self.registry.twin(model.fingerprint)
+                if twin is not None:  # the same tokenizer is here already: serve this name with it, drop the copy
+                    model = twin.sharing(model.spec)
+                    outcome = replace(outcome, model=model)
+                    release_memory()
                 try:
-                    self.registry.install(outcome.model)
+                    self.registry.install(model)
                 except ValueError as e:  # cannot happen while `load` checks names; said, never raised
                     out.append(Loaded(name, False, error=str(e)[:MAX_ERROR_CHARS], seconds=outcome.seconds))
                     continue

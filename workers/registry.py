@@ -178,8 +178,13 @@ class ModelRegistry:
         return model
 
     def tokenizers(self) -> int:
-        """How many distinct tokenizers are loaded (names sharing one count once)."""
-        return len({id(m.tokenizer) for m in self.models})
+        """How many distinct tokenizers are loaded: names of one fingerprint count once, as the
+        broker counts a worker's models against --max-models-per-worker."""
+        return len({m.fingerprint for m in self.models})
+
+    def twin(self, fingerprint: str) -> Model | None:
+        """A loaded model with this fingerprint (the same tokenizer, template and options), if any."""
+        return next((m for m in self.models if m.fingerprint == fingerprint), None)
 
     def get(self, name: str) -> Model | None:
         """The loaded model with this exact name (not an alias), or None."""
