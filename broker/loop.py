@@ -527,7 +527,8 @@ class Broker:
                                           new={e.name for e in entries if e.state == LOADING},
                                           demand=self.dispatcher.demand, full=self.dispatcher.full,
                                           busy=self.dispatcher.holds_model,
-                                          fingerprints={e.name: e.fingerprint for e in entries if e.fingerprint}):
+                                          fingerprints={e.name: e.fingerprint for e in entries if e.fingerprint},
+                                          jobs=self.dispatcher.holds):
             if isinstance(action, Load):
                 spec = self.catalog.entries[action.model].spec
                 self.backend.send_load(action.wid, replace(spec, share=action.share) if action.share else spec)

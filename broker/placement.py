@@ -10,7 +10,10 @@ With a cap N, a worker holds at most N models (held or loading), and `plan(now, 
    learns its fingerprint and a bad source fails at once, not on its first request.
 2. A model with queued requests and no worker holding or loading it is loaded on one worker.
 3. A model whose holders have all been full for `replica_after` while its requests queue gets one
-   more replica (one load at a time per model).
+   more replica (one load at a time per model); so does the hottest model of a worker that has held
+   far more jobs than the pool's mean for as long (the router's load bound: above both mean x 1.25
+   and mean + 2) while another worker holds fewer than the mean: a model held by one worker must
+   not leave the others idle.
 4. A replica idle for `idle_after` is let go while its model has another one.
 
 A load goes to a worker with a free model slot (the fewest models, then the fewest loads under
@@ -78,6 +81,7 @@ class Placement:
         self.workers: dict[bytes, Holding] = {}
         self._holders: dict[str, frozenset[bytes]] = {}
         self._starved_since: dict[str, float] = {}
+        self._overloaded_since: dict[bytes, float] = {}
 
     # --- workers -------------------------------------------------------------------------
 
@@ -160,12 +164,14 @@ class Placement:
 
     def plan(self, now: float, *, models: list[str], new: set[str], demand: dict[str, int],
              full: Callable[[bytes], bool], busy: Callable[[bytes, str], bool],
-             fingerprints: dict[str, str] | None = None) -> list[Load | Unload]:
+             fingerprints: dict[str, str] | None = None,
+             jobs: Callable[[bytes], int] = lambda wid: 0) -> list[Load | Unload]:
         """What to load and unload now.
 
         `models`: the placeable catalog models, in catalog order; `new`: those never loaded yet;
         `demand`: queued requests per model; `full(wid)`: the worker has no free job slot;
-        `busy(wid, model)`: the worker holds a job of that model; `fingerprints`: the known ones.
+        `busy(wid, model)`: the worker holds a job of that model; `fingerprints`: the known ones;
+        `jobs(wid)`: how many jobs the worker holds.
         Models with the same fingerprint are one tokenizer: a worker holding one serves another
         by sharing it (a slot counts tokenizers, not names), and lets them go together.
         """
@@ -191,8 +197,38 @@ class Placement:
                     actions += got
             else:
                 self._starved_since.pop(model, None)
+        actions += self._rebalance(now, models, demand, busy, jobs)
         actions += self._idle_replicas(now, demand, busy)
         return actions
+
+    def _rebalance(self, now: float, models: list[str], demand: dict[str, int], busy: Callable[[bytes, str], bool],
+                   jobs: Callable[[bytes], int]) -> list[Load | Unload]:
+        """One more replica of an overloaded worker's hottest model, on a worker below the mean."""
+        live = [wid for wid, h in self.workers.items() if not h.draining]
+        if len(live) < 2:
+            return []
+        held = {wid: jobs(wid) for wid in live}
+        mean = sum(held.values()) / len(live)
+        bound = max(mean * 1.25, mean + 2)
+        if not any(n < mean for n in held.values()):
+            return []
+        placeable = set(models)
+        for wid in live:
+            if held[wid] <= bound:
+                self._overloaded_since.pop(wid, None)
+                continue
+            since = self._overloaded_since.setdefault(wid, now)
+            if now - since < self.replica_after:
+                continue
+            hottest = max((m for m in self.workers[wid].held if m in placeable and not self.loading(m)),
+                          key=lambda m: self.heat(m, now), default=None)
+            if hottest is None or any(held[w] <= bound for w in self.holders(hottest)):
+                continue
+            got = self._load_somewhere(hottest, now, demand, busy)
+            if got:
+                del self._overloaded_since[wid]
+                return got
+        return []
 
     def _everywhere(self, now: float, models: list[str]) -> list[Load | Unload]:
         actions: list[Load | Unload] = []

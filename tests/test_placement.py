@@ -166,3 +166,19 @@ def test_models_with_one_fingerprint_share_a_slot_and_go_together():
     assert p.slots(p.workers[W1]) == 1
     assert p.plan(2.0, models=["a", "a2", "b"], new=set(), demand={"b": 1}, full=never, busy=never,
                   fingerprints=fps) == [Unload(W1, "a"), Unload(W1, "a2"), Load(W1, "b")]
+
+
+def test_an_overloaded_workers_hottest_model_gets_a_replica_where_jobs_are_fewer():
+    p = Placement(3, replica_after=0.05)
+    p.add_worker(W1, ["hot", "warm"], 0.0)
+    p.add_worker(W2, ["cold"], 0.0)
+    for t in range(10):
+        p.used(W1, "hot", t / 10)
+    p.used(W1, "warm", 0.5)
+    jobs = {W1: 30, W2: 2}.get
+    args = dict(models=["hot", "warm", "cold"], new=set(), demand={}, full=never, busy=never, jobs=jobs)
+    assert p.plan(1.0, **args) == []  # overloaded only just now
+    assert p.plan(1.1, **args) == [Load(W2, "hot")]
+    p.loaded(W2, "hot", 1.2)
+    assert p.plan(1.3, **args) == []  # the hot model is on both: nothing more to spread
+    assert p.plan(2.0, **{**args, "jobs": {W1: 10, W2: 9}.get}) == []  # balanced
