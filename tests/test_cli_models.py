@@ -118,9 +118,9 @@ def test_add_model_with_an_unreadable_template_file_says_which_flag(tmp_path):
 # --- the admin ops end to end (the broker's catalog serves them) -----------------------------
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def broker():
-    """The embedded default tokenizer only, one worker; each test adds its own models."""
+    """The embedded default tokenizer only, one worker; each test adds its own models (names of its own)."""
     b = start_broker(workers=1)
     yield b
     b.stop()

@@ -85,7 +85,7 @@ def test_workers_rows_show_in_flight_capacity_and_memory():
     (frame,) = frames([(m.started + 1, exposition(m))])
     assert rows(frame, "w1")[1:] == ["3", "4", "3.0", "MiB"]
     assert rows(frame, "w2")[1:] == ["0", "4", "1.0", "MiB"]
-    assert rows(frame, "broker")[-1] == "MiB"
+    assert rows(frame, "broker")[-1] in ("MiB", "GiB")  # this test process's own memory, whatever the suite has loaded
     assert "busy 1" in frame and "idle 1" in frame
 
 
