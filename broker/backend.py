@@ -274,6 +274,9 @@ class Backend:
             self.next_beat = now + HEARTBEAT_INTERVAL_S
         return [Left(w.wid, "silent") for w in self.workers.values() if w.expiry <= now]
 
+    def send_heartbeat(self, wid: bytes) -> None:
+        self._send(wid, B_HEARTBEAT)
+
     def _send(self, wid: bytes, kind: bytes) -> None:
         self._send_frames([wid, kind])
 

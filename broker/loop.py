@@ -21,7 +21,7 @@ import zmq
 
 from tokenbroker import __version__
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import ADMIN_OPS, MAX_DEADLINE_MS, SKIPPED, error_reply, ok_reply, req, unpack
+from tokenbroker.common.protocol import ADMIN_OPS, MAX_DEADLINE_MS, SKIPPED, W_BYE, error_reply, ok_reply, req, unpack
 
 from .affinity import route_key
 from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
@@ -543,6 +543,23 @@ class Broker:
                 for e in self.catalog.entries.values() if not e.removing}
 
     # --- stop --------------------------------------------------------------------------
+
+    def see_workers_off(self, timeout: float) -> None:
+        """After the loop, once the local workers were told to stop: answer each one's BYE with a
+        heartbeat, which tells it nothing more is on its way, so it leaves at once (it would
+        otherwise wait two heartbeat intervals for a broker that no longer polls)."""
+        deadline = time.monotonic() + timeout
+        sock = self.backend.sock
+        while self.supervisor.children and time.monotonic() < deadline:
+            if sock.poll(50):
+                for _ in range(1024):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if len(frames) >= 2 and frames[1] == W_BYE:
+                        self.backend.send_heartbeat(frames[0])
+            self.supervisor.reap(time.monotonic())
 
     def _fail_all(self, code: str, message: str) -> None:
         now = time.monotonic()

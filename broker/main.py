@@ -97,6 +97,7 @@ def serve(config: BrokerConfig) -> int:
         code = 0
     finally:
         supervisor.terminate()
+        broker.see_workers_off(WORKER_STOP_GRACE_S)
         supervisor.wait(WORKER_STOP_GRACE_S)
         restore_signals()
         frontend_sock.close()

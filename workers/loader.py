@@ -102,6 +102,13 @@ class Loader:
         """Poll this for reading: a load has finished."""
         return self._wake_r
 
+    def wake(self) -> None:
+        """Make the main poll return now (a signal handler calls it: SIGTERM must not wait for a beat)."""
+        try:
+            os.write(self._wake_w, b"!")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full: the poll returns anyway
+
     def submit(self, ticket: Ticket) -> None:
         if self._thread is None:  # started on the first load: a worker that never loads has no thread
             self._thread = threading.Thread(target=self._run, name="tokenbroker-loader", daemon=True)

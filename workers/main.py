@@ -279,8 +279,12 @@ def serve(config: WorkerConfig) -> int:
         return EXIT_BOOT_ERROR
     ctx = zmq.Context()
     worker = Worker(ctx, config, name, Ops(registry, name), registry)
-    signal.signal(signal.SIGTERM, lambda *_: worker.leaving.set())
-    signal.signal(signal.SIGINT, lambda *_: worker.leaving.set())
+    def leave(*_: object) -> None:
+        worker.leaving.set()
+        worker.loader.wake()
+
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGINT, leave)
     worker.run()
     ctx.term()
     return 0
