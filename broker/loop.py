@@ -370,11 +370,10 @@ class Broker:
             job = self.jobs.get(job_id)
             if job is None or job.answered:
                 continue
-            self._fail(job, "timeout", self._timeout_message(job), now)
-            if job.worker is None:  # still queued: it leaves the queue's count and memory now
-                self.dispatcher.expired(job)
-                self._release(job)
-                job.raw = b""
+            if job.worker is None:
+                self._fail_waiting(job, "timeout", self._timeout_message(job), now)
+            else:
+                self._fail(job, "timeout", self._timeout_message(job), now)
         if len(deadlines) > 2 * len(self.jobs) + 1024:  # entries of answered jobs: drop them
             self.deadlines = [(j.deadline, j.job_id) for j in self.jobs.values() if not j.answered]
             heapq.heapify(self.deadlines)
@@ -497,10 +496,14 @@ class Broker:
 
     def _fail_queued(self, model: str, code: str, message: str, now: float) -> None:
         for job in self.dispatcher.queued(model):
-            self._fail(job, code, message, now)
-            self.dispatcher.expired(job)
-            self._release(job)
-            job.raw = b""
+            self._fail_waiting(job, code, message, now)
+
+    def _fail_waiting(self, job: Job, code: str, message: str, now: float) -> None:
+        """Answer a job still in the queue: it leaves the queue's count and its payload goes now."""
+        self._fail(job, code, message, now)
+        self.dispatcher.expired(job)
+        self._release(job)
+        job.raw = b""
 
     def _place(self, now: float) -> None:
         """Send the loads and unloads placement asks for; finish the removals whose jobs are done."""

@@ -207,6 +207,16 @@ def _router_families(stats: Mapping[str, int]) -> Iterator[Metric]:
                             value=stats.get("index_entries", 0))
 
 
+def _observe(table: dict[str, list[float]], key: str, bounds: tuple[float, ...], seconds: float) -> None:
+    """One observation into a plain histogram: per-bucket counts (not cumulative), then the sum."""
+    counts = table.get(key)
+    if counts is None:
+        counts = table[key] = [0.0] * (len(bounds) + 1)
+    seconds = max(0.0, seconds)
+    counts[bisect_left(bounds, seconds)] += 1
+    counts[-1] += seconds
+
+
 def _cumulative(bounds: tuple[float, ...], counts: list[float]) -> list[tuple[str, float]]:
     """Prometheus buckets from per-bucket counts."""
     cumulative, buckets = 0.0, []
@@ -245,12 +255,7 @@ class PoolMetrics:
         """One request answered. `op` and `outcome` come from closed sets (the ops, the error codes)."""
         key = (op, outcome)
         self._requests[key] = self._requests.get(key, 0) + 1
-        counts = self._latency.get(op)
-        if counts is None:
-            counts = self._latency[op] = [0.0] * (len(LATENCY_BUCKETS) + 1)
-        seconds = max(0.0, seconds)
-        counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        counts[-1] += seconds
+        _observe(self._latency, op, LATENCY_BUCKETS, seconds)
 
     def request_families(self) -> Iterator[Metric]:
         """Requests and their latency, from the plain counts (called on the HTTP thread)."""
@@ -271,12 +276,7 @@ class PoolMetrics:
         self._model_requests[model] = self._model_requests.get(model, 0) + 1
 
     def model_loaded(self, model: str, seconds: float) -> None:
-        counts = self._loads.get(model)
-        if counts is None:
-            counts = self._loads[model] = [0.0] * (len(LOAD_BUCKETS) + 1)
-        seconds = max(0.0, seconds)
-        counts[bisect_left(LOAD_BUCKETS, seconds)] += 1
-        counts[-1] += seconds
+        _observe(self._loads, model, LOAD_BUCKETS, seconds)
 
     def model_load_failed(self, model: str) -> None:
         self._load_failures[model] = self._load_failures.get(model, 0) + 1

@@ -65,9 +65,6 @@ class Holding:
     draining: bool = False
     busy_until: float = 0.0  # it could not try a load: not asked again before this
 
-    def count(self) -> int:
-        return len(self.held) + len(self.loading)
-
 
 class Placement:
     def __init__(self, cap: int, *, replica_after: float = REPLICA_AFTER_S, idle_after: float = IDLE_AFTER_S,

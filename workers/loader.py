@@ -103,11 +103,11 @@ class Loader:
         return self._wake_r
 
     def wake(self) -> None:
-        """Make the main poll return now (a signal handler calls it: SIGTERM must not wait for a beat)."""
+        """Make the main poll return now: a load finished, or SIGTERM came (it must not wait for a beat)."""
         try:
             os.write(self._wake_w, b"!")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full: the poll returns anyway
+        except OSError:  # the pipe is full: the poll returns anyway
+            pass
 
     def submit(self, ticket: Ticket) -> None:
         if self._thread is None:  # started on the first load: a worker that never loads has no thread
@@ -144,10 +144,7 @@ class Loader:
             del ticket
             self._done.put(outcome)
             del outcome  # the main thread holds the only reference: unloading it frees it
-            try:
-                os.write(self._wake_w, b"!")
-            except BlockingIOError:  # the pipe is full: the main thread has wake-ups enough
-                pass
+            self.wake()
 
 
 class Catalog:
