@@ -41,6 +41,7 @@ DIGEST = 32  # bytes of one block hash
 # ChainMemo: a checkpoint every this many tokens (at least every block), and its memory per worker.
 CHECKPOINT_TOKENS = 256
 CHAIN_MEMO_BYTES = 8 * 1024 * 1024
+TABLE_MAX = 1 << 20  # ids with a precomputed CBOR form: past every vocabulary we serve (Gemma's is 262k)
 _MEMO_ENTRY_OVERHEAD = 120  # an OrderedDict slot, its 16-byte key and the segment's bytes header
 
 # --- the request's options ---------------------------------------------------------------------
@@ -242,7 +243,7 @@ _NULL = b"\xf6"
 
 class BlockHasher:
     """vLLM's sha256_cbor chain of a sequence's full blocks, with a per-id table of canonical CBOR uints
-    (grown to the largest id seen: about 45 bytes per id, 9 MB for a 200k vocabulary)."""
+    (grown to the largest id seen, at most TABLE_MAX: about 45 bytes per id, 9 MB for a 200k vocabulary)."""
 
     def __init__(self, memo: "ChainMemo | None" = None) -> None:
         self.memo = memo
@@ -252,9 +253,19 @@ class BlockHasher:
     def _grow(self, top: int) -> None:
         with self._lock:
             table = self._table
-            if top >= len(table):
-                size = max(top + 1, 2 * len(table))
+            size = min(TABLE_MAX, (top | 4095) + 1)
+            if size > len(table):
                 table.extend(_cbor_head(0, i) for i in range(len(table), size))
+
+    def _cbor_ids(self, ids: list[int]) -> tuple[bytes, ...]:
+        """Each id's canonical CBOR: from the table (in C), or built one by one for ids past TABLE_MAX."""
+        top = max(ids)
+        table = self._table
+        if top >= TABLE_MAX:  # an id past any vocabulary we know: the slow way
+            return tuple(table[i] if i < len(table) else _cbor_head(0, i) for i in ids)
+        if top >= len(table):
+            self._grow(top)
+        return itemgetter(*ids)(table) if len(ids) > 1 else (table[ids[0]],)
 
     def chain(self, ids: list[int], spec: BlockSpec, u32: bytes | None = None) -> bytes:
         """The concatenated digests of every full block of `ids` (`u32`: the ids as uint32 in host
@@ -282,11 +293,8 @@ class BlockHasher:
         if not ids:
             return b""
         bs = spec.block_size
-        if max(ids) >= len(self._table):
-            self._grow(max(ids))
         arr = _cbor_head(4, bs)
-        cbor_ids = itemgetter(*ids)(self._table) if len(ids) > 1 else (self._table[ids[0]],)
-        parts = iter(cbor_ids)
+        parts = iter(self._cbor_ids(ids))
         lora = _cbor_text(spec.lora_name) if spec.lora_name is not None else None
         if lora is None and spec.cache_salt is None:
             tails = repeat(_NULL)
