@@ -349,3 +349,7 @@ def token_in(offsets: bool, token_strs: bool, truncate: int | None, truncation_s
                 spec[key] = getattr(block_hashes, key)
         body["block_hashes"] = spec
     return body
+
+
+def pong(reply: dict) -> Pong:
+    return Pong(reply["workers"], reply["version"], dict(reply.get("limits") or {}))
