@@ -323,9 +323,9 @@ class ChainMemo:
     """Block-hash chains remembered in segments, so a prompt that begins like an earlier one hashes
     only what is new.
 
-    A checkpoint falls every `stride` blocks (CHECKPOINT_TOKENS tokens); its key is a digest of the
-    options and every id before it, its value the digests of the blocks since the previous
-    checkpoint. A lookup walks the checkpoints from the start while they are known, so shared
+    A checkpoint falls every `stride` blocks (CHECKPOINT_TOKENS tokens) and after a prompt's last full
+    block; its key is a digest of the options and every id before it, its value the digests of the
+    blocks since the previous checkpoint. A lookup walks the checkpoints from the start while they are known, so shared
     prefixes are stored once and memory grows with distinct blocks, not prompts. Least recently used
     segments go first, within a byte budget. Keys depend only on ids, never on the model.
     """
@@ -342,7 +342,8 @@ class ChainMemo:
         return max(1, CHECKPOINT_TOKENS // block_size)
 
     def keys(self, spec: BlockSpec, u32: bytes, full: int) -> list[bytes]:
-        """One key per checkpoint up to `full` blocks: a SHA-256 over the options and the ids, copied at each."""
+        """One key per checkpoint up to `full` blocks, and one for the blocks after the last: a SHA-256
+        over the options and the ids, copied at each."""
         bs = spec.block_size
         stride = self.stride(bs)
         h = hashlib.sha256(b"".join((_cbor_head(0, bs), _cbor_text(spec.seed),
@@ -353,6 +354,9 @@ class ChainMemo:
             h.update(view[pos:pos + step])
             pos += step
             keys.append(h.copy().digest()[:16])
+        if full % stride:  # the blocks past the last checkpoint: a prompt seen again is all memo
+            h.update(view[pos:4 * bs * full])
+            keys.append(h.digest()[:16])
         return keys
 
     def lookup(self, keys: list[bytes]) -> tuple[int, bytes]:
