@@ -88,6 +88,14 @@ class StreamDecoder:
         # byte-table states made or verified here: state -> (options, pending bytes, held text), and back
         self._known: dict[bytes, tuple[Options, bytes, str]] = {}
         self._by_content: dict[tuple[Options, bytes, str], bytes] = {}
+        # The state of a sequence with default options and nothing held, the same for all of them, and
+        # each id's text from that state when it leaves the state unchanged (its bytes are whole
+        # characters; b"" for a skipped special id; None otherwise): a columnar step's common case.
+        self.plain_state = pack_state(SeqState(_DEFAULT_OPTIONS), self.key)
+        self.plain_text: list[bytes | None] | None = None
+        if self.table is not None:
+            self.plain_text = [b"" if i in self.skip_ids else (b if b is not None and valid_utf8(b) else None)
+                               for i, b in enumerate(self.table)]
         # window states made here: state -> what it holds, so the next step need not verify it
         self._recent: dict[bytes, tuple] = {}
         # one token that stands in for any context ending in a released non-byte token (see stream_vocab)
@@ -166,7 +174,16 @@ class StreamDecoder:
         states: list[bytes] = []
         finished, stops = bytearray(c.n), {}
         fast_texts = False  # some text is raw table bytes, not yet checked to be valid UTF-8
+        plain_state, plain_text = self.plain_state, self.plain_text
+        add_text, add_state = texts.append, states.append
+        one_each = id_starts is None
         for i, raw_state in enumerate(c.states):
+            if one_each and final is None and (raw_state == plain_state or not raw_state):
+                piece = plain_text[ids[i]]  # type: ignore[index]
+                if piece is not None:  # the common step: whole characters, nothing held, the state unchanged
+                    add_text(piece)
+                    add_state(plain_state)
+                    continue
             k = known.get(raw_state) if raw_state else default
             if k is not None and (final is None or not final[i]):
                 options, pending, held = k
