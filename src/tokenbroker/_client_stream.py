@@ -23,6 +23,7 @@ import sys
 from array import array
 from dataclasses import dataclass
 from itertools import accumulate, chain, compress
+from operator import itemgetter
 from typing import Any, Awaitable, Callable, Generic, Hashable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from ._client_errors import Internal, TokenbrokerError, error_from_reply
@@ -63,10 +64,12 @@ def _u32s(data: bytes) -> array:
     return a
 
 
-def _pieces(buf: bytes, lengths: array) -> list[bytes]:
-    """`buf` cut into consecutive pieces of the given lengths (C-speed maps, no Python loop)."""
-    ends = list(accumulate(lengths))
-    return list(map(buf.__getitem__, map(slice, [0, *ends[:-1]], ends)))
+def _pieces(buf: Any, lengths: array) -> list:
+    """`buf` (bytes or str) cut into consecutive pieces of the given lengths, in C-speed calls."""
+    if len(lengths) < 2:
+        return [buf] if lengths else []
+    at = list(accumulate(lengths, initial=0))
+    return list(itemgetter(*map(slice, at, at[1:]))(buf))
 
 
 class StreamStep(Mapping[K, StreamDelta]):
@@ -91,8 +94,10 @@ class StreamStep(Mapping[K, StreamDelta]):
         """Every sequence's new text, in the order of `keys()` (the caller's order, first steps with options last)."""
         if self._texts is None:
             text = self._text
-            if text.isascii() or not self._cols:
-                pieces = _pieces(text.decode("ascii"), _u32s(self._lengths)) if self._cols else []  # type: ignore[arg-type]
+            if not self._cols:
+                pieces: list[str] = []
+            elif text.isascii():  # one decode, then str slices (bytes and characters agree)
+                pieces = _pieces(text.decode("ascii"), _u32s(self._lengths))
             else:
                 pieces = list(map(bytes.decode, _pieces(text, _u32s(self._lengths))))
             self._texts = pieces + [d.text for d in self._rows] if self._rows else pieces
@@ -357,7 +362,7 @@ def _ids_columns(values: list) -> tuple[bytes, bytes]:
     """Every sequence's ids as one u32 buffer, and their counts."""
     kinds = set(map(type, values))
     if kinds <= {list, tuple}:
-        return _u32(chain.from_iterable(values)), _u32(map(len, values))
+        return _u32(list(chain.from_iterable(values))), _u32(map(len, values))
     wire = [ids_to_wire(v) for v in values]
     parts = [w if type(w) is bytes else _u32(w) for w in wire]
     return b"".join(parts), _u32(len(p) // 4 for p in parts)
