@@ -26,7 +26,7 @@ from itertools import accumulate, chain, compress
 from operator import itemgetter
 from typing import Any, Awaitable, Callable, Generic, Hashable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
-from ._client_errors import Internal, TokenbrokerError, error_from_reply
+from ._client_errors import Internal, error_from_reply
 from ._client_results import ids_to_wire
 
 K = TypeVar("K", bound=Hashable)
@@ -433,4 +433,4 @@ class DetokenizeStream(StreamBook[K]):
         return self.take(plan, col, row)
 
 
-__all__ = ["AsyncDetokenizeStream", "DetokenizeStream", "StreamBook", "StreamDelta", "StreamStep", "TokenbrokerError"]
+__all__ = ["AsyncDetokenizeStream", "DetokenizeStream", "StreamBook", "StreamDelta", "StreamStep"]
