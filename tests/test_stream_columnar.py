@@ -17,7 +17,7 @@ import struct
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_stream import EXAMPLES, decoder, reference, texts, tokenizer
+from test_stream import EXAMPLES, assigned_ids, decoder, reference, texts, tokenizer
 
 from tokenbroker.common.errors import ProtocolError
 
@@ -119,6 +119,30 @@ def test_columnar_and_row_forms_agree_step_by_step(name: str) -> None:
             if not options[k].get("stop"):
                 assert shown[k] == reference(name, [], g, options[k].get("skip_special_tokens", True))
         assert not first
+
+    run()
+
+
+@pytest.mark.parametrize("name", ["deepseek", "qwen", "sp-bytefallback"])
+def test_random_ids_invalid_utf8_included_agree_in_both_forms(name: str) -> None:
+    """Random ids make stray and unfinished bytes (the texts' one UTF-8 check must fall back per piece)."""
+
+    @settings(max_examples=max(EXAMPLES // 2, 10), deadline=None, suppress_health_check=[HealthCheck.too_slow],
+              database=None)
+    @given(gens=st.lists(st.lists(assigned_ids(name), max_size=12), min_size=1, max_size=6),
+           sizes=st.lists(st.integers(0, 3), min_size=1, max_size=8))
+    def run(gens, sizes):
+        states, at = [None] * len(gens), [0] * len(gens)
+        shown = [""] * len(gens)
+        for step, size in enumerate(sizes + [max(map(len, gens))]):
+            last = step == len(sizes)
+            seqs = [{"tokens": g[a:a + size], "state": s, "final": last} for g, s, a in zip(gens, states, at)]
+            replies = both(name, seqs, [True] * len(seqs))
+            for k, r in enumerate(replies):
+                at[k] += size
+                shown[k] += r["text"]
+                states[k] = r["state"]
+        assert shown == [reference(name, [], g, True) for g in gens]
 
     run()
 
