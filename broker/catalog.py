@@ -161,6 +161,7 @@ class Catalog:
                 "chat_template": bool(info.get("chat_template", entry.spec.chat_template is not None)),
                 "cached": bool(info.get("cached", False)),
                 "source": info.get("source") or entry.spec.source,
+                **{k: info.get(k, unknown) for k, unknown in MODEL_FACTS.items()},
                 "fingerprint": entry.fingerprint,
                 "state": entry.state,
                 "workers": workers.get(entry.name, 0),
@@ -171,6 +172,8 @@ class Catalog:
         return out
 
 
+# (1.2) as the worker read them; before a worker has loaded the model, these
+MODEL_FACTS = {"bos_token": None, "eos_token": None, "model_max_length": None, "added_tokens": 0}
 MAX_MODEL_NAME = 1024  # characters in a model name or alias
 MAX_ALIASES = 64
 

@@ -389,6 +389,10 @@ class ModelInfo:
     chat_template: bool
     cached: bool
     source: str = ""
+    bos_token: str | None = None  # (1.2) these four: the model's own files, workers/registry.py model_facts
+    eos_token: str | None = None
+    model_max_length: int | None = None
+    added_tokens: int = 0
 
     def to_wire(self) -> dict:
         return dict(self.__dict__)
@@ -412,9 +416,17 @@ class ModelInfo:
         for name in ("chat_template", "cached"):
             if not _is(d.get(name), bool):
                 raise ValueError(f"model info field {name!r} must be bool, got {d.get(name)!r:.40}")
+        max_length, added = d.get("model_max_length"), d.get("added_tokens", 0)
+        if max_length is not None and (not _is(max_length, int) or not 0 < max_length < 2**63):
+            raise ValueError(f"model info field 'model_max_length' must be nil or an int in 1..2**63-1, got {max_length!r:.40}")
+        if not _is(added, int) or not 0 <= added < 2**32:
+            raise ValueError(f"model info field 'added_tokens' must be an int in 0..2**32-1, got {added!r:.40}")
         return cls(kind=_checked_str(d, "kind", "model info", limit=64), vocab_size=vocab, special_tokens=list(specials),
                    chat_template=d["chat_template"], cached=d["cached"],
-                   source=_checked_str(d, "source", "model info", optional=True) or "")
+                   source=_checked_str(d, "source", "model info", optional=True) or "",
+                   bos_token=_checked_str(d, "bos_token", "model info", optional=True),
+                   eos_token=_checked_str(d, "eos_token", "model info", optional=True),
+                   model_max_length=max_length, added_tokens=added)
 
 
 @dataclass(frozen=True)

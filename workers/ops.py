@@ -30,6 +30,7 @@ from tokenbroker.common.protocol import (
 from .cache import CacheOutcome
 from .count import count_request
 from .registry import Model, ModelRegistry
+from .tokenin import CHAIN_MEMO_BYTES, Extras, Served, Tokenin, asks_extras, parse_extras
 from .tokenizers import InvalidTokenId
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class Ops:
         self.worker_name = worker_name
         self.limits = registry.limits
         self.deadline = float("inf")  # of the job being served (time.monotonic()); batches stop past it
+        caches = registry.cache_config
+        self.tokenin = Tokenin(CHAIN_MEMO_BYTES if caches.l0_enabled or caches.l1_enabled else 0)
 
     def run(self, jobs: list[PendingJob]) -> list[tuple[int, str, bytes]]:
         """Serve a batch: (job id, outcome, reply) per job, in order. One job's failure is its own.
@@ -112,6 +115,8 @@ class Ops:
         """The model of a tokenize request that a batch encode serves exactly, else None."""
         p = request.payload
         if request.op != "tokenize" or type(p.get("text")) is not str or type(p.get("add_special_tokens", True)) not in (bool, type(None)):
+            return None
+        if asks_extras(p):
             return None
         try:
             model = self.registry.resolve(request.model)
@@ -185,9 +190,12 @@ class Ops:
     def op_tokenize(self, p: dict, model_name: str | None, fmt: str) -> dict:
         text = req(p, "text", (str, list))
         add_special = opt(p, "add_special_tokens", bool, True)
+        extras = parse_extras(p)
         model = self.registry.resolve(model_name)
         tally = CacheTally(self.registry.l0_enabled)
         if isinstance(text, str):
+            if extras is not None:
+                return self._with_extras(model, [text], add_special, extras, fmt, tally, batch=False)
             ids, outcome = model.cache.encode(text, add_special)
             tally.add(outcome)
             return {"tokens": _tokens_out(ids, fmt), "count": len(ids), "cache": tally.to_wire()}
@@ -195,6 +203,8 @@ class Ops:
         for i, t in enumerate(text):
             if not isinstance(t, str):
                 raise ProtocolError("bad_request", f"field 'text[{i}]' must be str, got {type_name(t)}")
+        if extras is not None:
+            return self._with_extras(model, text, add_special, extras, fmt, tally, batch=True)
         out, total = [], 0
         for i, t in enumerate(text):
             self._check_deadline(i)
@@ -203,6 +213,36 @@ class Ops:
             total += len(ids)
             out.append(_tokens_out(ids, fmt))
         return {"tokens": out, "count": total, "cache": tally.to_wire()}
+
+    def _with_extras(self, model: Model, texts: list[str], add_special: bool, ex: Extras, fmt: str,
+                     tally: "CacheTally", *, batch: bool) -> dict:
+        """tokenize or chat with the 1.2 options (workers/tokenin.py): each text served, then the reply's
+        fields per text (a list of them for a batch)."""
+        cols: dict[str, list] = {"tokens": []}
+        if ex.offsets:
+            cols["offsets"] = []
+        if ex.token_strs:
+            cols["token_strs"] = []
+        if ex.blocks is not None:
+            cols["block_hashes"] = []
+        total = truncated = 0
+        for i, t in enumerate(texts):
+            self._check_deadline(i)
+            served = self.tokenin.serve(model, t, add_special, ex)
+            if served.outcome is not None:
+                tally.add(served.outcome)
+            tokens = _tokens_out(served.ids, fmt)
+            if ex.blocks is not None:
+                self.tokenin.hash_blocks(served, ex.blocks, tokens if fmt == "u32" and _LITTLE else None)
+            total += len(served.ids)
+            truncated += served.truncated
+            _add_served(cols, served, tokens, fmt)
+        reply = {k: v if batch else v[0] for k, v in cols.items()}
+        reply["count"] = total
+        if ex.truncate is not None:
+            reply["truncated"] = truncated
+        reply["cache"] = tally.to_wire()
+        return reply
 
     def op_detokenize(self, p: dict, model_name: str | None, fmt: str) -> dict:
         tokens = req(p, "tokens", (list, bytes))
@@ -231,6 +271,7 @@ class Ops:
         continue_final = opt(p, "continue_final_message", bool, False)
         kwargs = opt(p, "chat_template_kwargs", dict, {})
         return_prompt = opt(p, "return_prompt", bool, False)
+        extras = parse_extras(p)
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise ProtocolError("bad_request", f"field 'messages[{i}]' must be a map, got {type_name(m)}")
@@ -242,10 +283,13 @@ class Ops:
             continue_final_message=continue_final,
             extra=kwargs,
         )
-        ids, outcome = model.cache.encode(prompt, False)
         tally = CacheTally(self.registry.l0_enabled)
-        tally.add(outcome)
-        reply = {"tokens": _tokens_out(ids, fmt), "count": len(ids), "cache": tally.to_wire()}
+        if extras is not None:
+            reply = self._with_extras(model, [prompt], False, extras, fmt, tally, batch=False)
+        else:
+            ids, outcome = model.cache.encode(prompt, False)
+            tally.add(outcome)
+            reply = {"tokens": _tokens_out(ids, fmt), "count": len(ids), "cache": tally.to_wire()}
         if return_prompt:
             reply["prompt"] = prompt
         return reply
@@ -282,6 +326,18 @@ class Ops:
 
     def op_models(self, p: dict, model_name: str | None, fmt: str) -> dict:
         return {"models": self.registry.describe()}
+
+
+def _add_served(cols: dict[str, list], served: Served, tokens: Any, fmt: str) -> None:
+    """One text's fields into the reply's columns: offsets as [start, end] pairs or a u32 bin of both."""
+    cols["tokens"].append(tokens)
+    if "offsets" in cols:
+        flat = served.offsets or []
+        cols["offsets"].append(ids_to_u32(flat) if fmt == "u32" else [flat[i:i + 2] for i in range(0, len(flat), 2)])
+    if "token_strs" in cols:
+        cols["token_strs"].append(served.token_strs)
+    if "block_hashes" in cols:
+        cols["block_hashes"].append(served.block_hashes)
 
 
 def _split_batch(tokens: list | bytes) -> list | None:

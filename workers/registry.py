@@ -24,6 +24,7 @@ from .chat import ChatRenderer, ChatTemplates, discover_chat_templates, special_
 from .count.encodings import local_encoding, where_to_put
 from .stream import StreamDecoder
 from .tokenizer_map import TokenizerMap
+from .tokenin import reference
 from .tokenizers import Tokenizer, load_tokenizer, wrap_encoding
 
 log = logging.getLogger(__name__)
@@ -89,9 +90,11 @@ class Model:
         """What READY and LOADED tell the broker of this model, within the bounds ModelInfo.from_wire checks."""
         t = self.tokenizer
         specials = sorted(s for s in t.special_tokens if len(s) <= 1024)[:MAX_SPECIAL_TOKENS]
+        facts = model_facts(t)
+        bounded = {k: v[:1024] if isinstance(v, str) else v for k, v in facts.items()}
         return ModelInfo(kind=t.kind[:64], vocab_size=t.vocab_size, special_tokens=specials,
                          chat_template=self.templates is not None, cached=self.cache.enabled,
-                         source=t.description[:1024])
+                         source=t.description[:1024], **bounded)
 
     def describe(self) -> dict:
         t = self.tokenizer
@@ -106,7 +109,25 @@ class Model:
             "l1_bypass_reason": self.cache.l1_bypass_reason,
             "source": t.description,
             "fingerprint": self.fingerprint,
+            **model_facts(t),
         }
+
+
+# transformers writes this for "no limit" (VERY_LARGE_INTEGER, int(1e30)); anything this large means none.
+_NO_MAX_LENGTH = int(1e30)
+
+
+def model_facts(t: Tokenizer) -> dict:
+    """`models` (1.2): bos_token and eos_token (str or None), model_max_length (int, or None when
+    the model's tokenizer_config.json gives none or transformers' "no limit" sentinel), and
+    added_tokens (tokenizer.json's added tokens; a tiktoken encoding's special tokens)."""
+    max_length = t.tokenizer_config.get("model_max_length")
+    if type(max_length) is not int or not 0 < max_length < min(_NO_MAX_LENGTH, 2**63):
+        max_length = None
+    ref = reference(t)
+    added = len(ref.special_tokens_set) if t.kind == "tiktoken" else len(ref.get_added_tokens_decoder())
+    return {"bos_token": t.named_specials.get("bos_token"), "eos_token": t.named_specials.get("eos_token"),
+            "model_max_length": max_length, "added_tokens": added}
 
 
 def load_model(spec: ModelSpec, cache_config: CacheConfig) -> Model:
@@ -161,6 +182,10 @@ class ModelRegistry:
     @property
     def l0_enabled(self) -> bool:
         return self._config.cache.l0_enabled
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self._config.cache
 
     @property
     def limits(self) -> Limits:

@@ -8,6 +8,8 @@ from tokenbroker.client import (
     AsyncClient,
     AsyncDetokenizeStream,
     BadRequest,
+    BlockHashes,
+    BlockHashSpec,
     CacheInfo,
     ChatTokens,
     Client,
@@ -19,6 +21,7 @@ from tokenbroker.client import (
     InvalidInput,
     ModelInfo,
     ModelState,
+    Offsets,
     Overloaded,
     Pong,
     RemovedModel,
@@ -35,12 +38,13 @@ from tokenbroker.client import (
     UnknownModel,
     UnknownOp,
     WorkerFailed,
+    block_hash_int64,
 )
 
 __all__ = [
     "AsyncClient", "Client", "AsyncDetokenizeStream", "DetokenizeStream", "StreamDelta", "EndpointStatus",
     "Tokens", "TokensBatch", "Text", "TextBatch", "ChatTokens", "Count", "ModelInfo", "ModelState", "Pong",
-    "RemovedModel", "CacheInfo",
+    "RemovedModel", "CacheInfo", "Offsets", "BlockHashes", "BlockHashSpec", "block_hash_int64",
     "TokenbrokerError", "BadRequest", "UnknownOp", "UnknownModel", "TooLarge", "TemplateError", "InvalidInput",
     "Forbidden", "Overloaded", "Timeout", "WorkerFailed", "Internal", "Unavailable",
 ]

@@ -71,17 +71,28 @@ class AsyncClient:
         return self._model if model is None else model
 
     async def tokenize(self, text: str, *, model: str | None = None, add_special_tokens: bool = True,
-                       affinity: str | None = None, timeout: float | None = None) -> res.Tokens:
-        """The ids of one text."""
+                       affinity: str | None = None, timeout: float | None = None, offsets: bool = False,
+                       token_strs: bool = False, truncate: int | None = None, truncation_side: str = "left",
+                       block_hashes: res.BlockHashSpec | None = None) -> res.Tokens:
+        """The ids of one text.
+
+        `offsets`, `token_strs`, `truncate` (keep at most this many ids, on `truncation_side`: "left"
+        keeps the last) and `block_hashes` (vLLM's prefix-cache hashes: `BlockHashSpec`) add the
+        reply's 1.2 fields (contract "tokenize and chat options").
+        """
         body = {"op": "tokenize", "text": text, "add_special_tokens": add_special_tokens, "tokens_format": "u32",
-                **_options(self._model_of(model), affinity)}
+                **_options(self._model_of(model), affinity),
+                **res.token_in(offsets, token_strs, truncate, truncation_side, block_hashes)}
         return res.tokens(await self._ok(body, timeout), self._ids)
 
     async def tokenize_batch(self, texts: Sequence[str], *, model: str | None = None, add_special_tokens: bool = True,
-                             affinity: str | None = None, timeout: float | None = None) -> res.TokensBatch:
-        """The ids of several texts in one request (one job for routing and deadlines)."""
+                             affinity: str | None = None, timeout: float | None = None, offsets: bool = False,
+                             token_strs: bool = False, truncate: int | None = None, truncation_side: str = "left",
+                             block_hashes: res.BlockHashSpec | None = None) -> res.TokensBatch:
+        """The ids of several texts in one request (one job for routing and deadlines); options as `tokenize`."""
         body = {"op": "tokenize", "text": list(texts), "add_special_tokens": add_special_tokens,
-                "tokens_format": "u32", **_options(self._model_of(model), affinity)}
+                "tokens_format": "u32", **_options(self._model_of(model), affinity),
+                **res.token_in(offsets, token_strs, truncate, truncation_side, block_hashes)}
         return res.tokens_batch(await self._ok(body, timeout), self._ids)
 
     async def detokenize(self, tokens: IdsIn, *, model: str | None = None, skip_special_tokens: bool = True,
@@ -102,13 +113,17 @@ class AsyncClient:
                    tools: Sequence[Any] | None = None, add_generation_prompt: bool = True,
                    continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
                    return_prompt: bool = False, affinity: str | None = None,
-                   timeout: float | None = None) -> res.ChatTokens:
-        """A chat rendered with the model's template, then tokenized (as transformers does)."""
+                   timeout: float | None = None, offsets: bool = False, token_strs: bool = False,
+                   truncate: int | None = None, truncation_side: str = "left",
+                   block_hashes: res.BlockHashSpec | None = None) -> res.ChatTokens:
+        """A chat rendered with the model's template, then tokenized (as transformers does); options
+        as `tokenize`, offsets in the rendered prompt."""
         body: dict[str, Any] = {"op": "chat", "messages": [dict(m) for m in messages],
                                 "add_generation_prompt": add_generation_prompt,
                                 "continue_final_message": continue_final_message,
                                 "return_prompt": return_prompt, "tokens_format": "u32",
-                                **_options(self._model_of(model), affinity)}
+                                **_options(self._model_of(model), affinity),
+                                **res.token_in(offsets, token_strs, truncate, truncation_side, block_hashes)}
         if tools is not None:
             body["tools"] = list(tools)
         if chat_template_kwargs:

@@ -45,6 +45,107 @@ def ids_to_wire(value: Sequence[int] | bytes) -> Any:
     return value if isinstance(value, list) else list(value)
 
 
+class Offsets:
+    """`[start, end)` in code points of the input text (the rendered prompt for chat), one pair per id.
+
+    Held as one flat array('I') (start, end, start, end, ...), as the u32 bin came; `offsets[i]` is a
+    (start, end) tuple, `pairs()` all of them as a list.
+    """
+
+    __slots__ = ("flat",)
+
+    def __init__(self, flat: "array[int]") -> None:
+        self.flat = flat
+
+    def __len__(self) -> int:
+        return len(self.flat) // 2
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("offset index out of range")
+        return self.flat[2 * i], self.flat[2 * i + 1]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        it = iter(self.flat)
+        return zip(it, it)
+
+    def pairs(self) -> list[tuple[int, int]]:
+        return list(self)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Offsets) and self.flat == other.flat
+
+    def __repr__(self) -> str:
+        return f"Offsets({self.pairs()!r})"
+
+
+def block_hash_int64(digest: bytes) -> int:
+    """The 64-bit form vLLM's KV events carry: the big-endian value of a digest's last 8 bytes.
+
+    >>> block_hash_int64(bytes(24) + (3236607068019569386).to_bytes(8, "big"))
+    3236607068019569386
+    """
+    return int.from_bytes(digest[-8:], "big")
+
+
+class BlockHashes:
+    """vLLM's prefix-cache block hashes (sha256_cbor) of the ids, one 32-byte digest per full block.
+
+    `raw` is the concatenation as it came; `hashes[i]` is block i's digest, `ints()` every block's
+    64-bit form (what vLLM's KV events report with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
+    """
+
+    __slots__ = ("raw",)
+    DIGEST = 32
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    def __len__(self) -> int:
+        return len(self.raw) // self.DIGEST
+
+    def __getitem__(self, i: int) -> bytes:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("block index out of range")
+        return self.raw[self.DIGEST * i:self.DIGEST * (i + 1)]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return (self.raw[i:i + self.DIGEST] for i in range(0, len(self.raw), self.DIGEST))
+
+    def ints(self) -> list[int]:
+        return [block_hash_int64(d) for d in self]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BlockHashes) and self.raw == other.raw
+
+    def __repr__(self) -> str:
+        return f"BlockHashes({len(self)} blocks)"
+
+
+def _offsets(value: Any) -> Offsets | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        flat = array("I")
+        flat.frombytes(value)
+        if _BIG_ENDIAN_HOST:
+            flat.byteswap()
+        return Offsets(flat)
+    return Offsets(array("I", [x for pair in value for x in pair]))
+
+
+def _hashes(value: Any) -> BlockHashes | None:
+    return BlockHashes(value) if value is not None else None
+
+
+def _each(value: Any, convert: Any) -> list | None:
+    return [convert(v) for v in value] if value is not None else None
+
+
 @dataclass(frozen=True, slots=True)
 class CacheInfo:
     """Which cache layers served it: `l0` "hit" | "miss" | "off"; ids taken from L1."""
@@ -60,22 +161,31 @@ def _cache(reply: dict) -> CacheInfo | None:
 
 @dataclass(frozen=True, slots=True)
 class Tokens:
-    """One text's ids (`tokenize`)."""
+    """One text's ids (`tokenize`); the 1.2 fields are None unless asked for."""
 
     tokens: Ids
     count: int
     worker: str
     cache: CacheInfo | None
+    offsets: Offsets | None = None
+    token_strs: list | None = None  # str per id (tokenizer.json models) or bytes (tiktoken)
+    truncated: int | None = None  # ids dropped by truncate_prompt_tokens
+    block_hashes: BlockHashes | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class TokensBatch:
-    """A batch's ids, one sequence per text, in request order (`tokenize_batch`); `count` is the total."""
+    """A batch's ids, one sequence per text, in request order (`tokenize_batch`); `count` and
+    `truncated` are totals, the other 1.2 fields one per text."""
 
     tokens: list[Ids]
     count: int
     worker: str
     cache: CacheInfo | None
+    offsets: list[Offsets] | None = None
+    token_strs: list[list] | None = None
+    truncated: int | None = None
+    block_hashes: list[BlockHashes] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +213,10 @@ class ChatTokens:
     prompt: str | None
     worker: str
     cache: CacheInfo | None
+    offsets: Offsets | None = None  # in the rendered prompt
+    token_strs: list | None = None
+    truncated: int | None = None
+    block_hashes: BlockHashes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +246,10 @@ class ModelInfo:
     state: str | None = None
     error: str | None = None
     workers: int | None = None
+    bos_token: str | None = None  # (1.2) from the model's own files
+    eos_token: str | None = None
+    model_max_length: int | None = None
+    added_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,12 +279,15 @@ class RemovedModel:
 
 
 def tokens(reply: dict, ids: IdsFormat) -> Tokens:
-    return Tokens(ids_from_wire(reply["tokens"], ids), reply["count"], reply.get("worker", ""), _cache(reply))
+    return Tokens(ids_from_wire(reply["tokens"], ids), reply["count"], reply.get("worker", ""), _cache(reply),
+                  _offsets(reply.get("offsets")), reply.get("token_strs"), reply.get("truncated"),
+                  _hashes(reply.get("block_hashes")))
 
 
 def tokens_batch(reply: dict, ids: IdsFormat) -> TokensBatch:
     return TokensBatch([ids_from_wire(t, ids) for t in reply["tokens"]], reply["count"],
-                       reply.get("worker", ""), _cache(reply))
+                       reply.get("worker", ""), _cache(reply), _each(reply.get("offsets"), _offsets),
+                       reply.get("token_strs"), reply.get("truncated"), _each(reply.get("block_hashes"), _hashes))
 
 
 def text(reply: dict) -> Text:
@@ -179,7 +300,8 @@ def text_batch(reply: dict) -> TextBatch:
 
 def chat_tokens(reply: dict, ids: IdsFormat) -> ChatTokens:
     return ChatTokens(ids_from_wire(reply["tokens"], ids), reply["count"], reply.get("prompt"),
-                      reply.get("worker", ""), _cache(reply))
+                      reply.get("worker", ""), _cache(reply), _offsets(reply.get("offsets")), reply.get("token_strs"),
+                      reply.get("truncated"), _hashes(reply.get("block_hashes")))
 
 
 def count(reply: dict) -> Count:
@@ -193,7 +315,40 @@ def models(reply: dict) -> list[ModelInfo]:
         vocab_size=m.get("vocab_size", 0), special_tokens=tuple(m.get("special_tokens") or ()),
         chat_template=bool(m.get("chat_template")), cached=bool(m.get("cached")),
         fingerprint=m.get("fingerprint"), state=m.get("state"), error=m.get("error"), workers=m.get("workers"),
+        bos_token=m.get("bos_token"), eos_token=m.get("eos_token"), model_max_length=m.get("model_max_length"),
+        added_tokens=m.get("added_tokens"),
     ) for m in reply["models"]]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHashSpec:
+    """What vLLM's prefix cache hashes with: its block size, the engine's PYTHONHASHSEED (a str),
+    and the request's LoRA adapter name and cache salt, if any."""
+
+    block_size: int
+    seed: str
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+def token_in(offsets: bool, token_strs: bool, truncate: int | None, truncation_side: str,
+             block_hashes: BlockHashSpec | None) -> dict[str, Any]:
+    """The 1.2 tokenize/chat options as request fields, only those that change the reply."""
+    body: dict[str, Any] = {}
+    if offsets:
+        body["return_offsets"] = True
+    if token_strs:
+        body["return_token_strs"] = True
+    if truncate is not None:
+        body["truncate_prompt_tokens"] = truncate
+        body["truncation_side"] = truncation_side
+    if block_hashes is not None:
+        spec = {"block_size": block_hashes.block_size, "seed": block_hashes.seed}
+        for key in ("lora_name", "cache_salt"):
+            if getattr(block_hashes, key) is not None:
+                spec[key] = getattr(block_hashes, key)
+        body["block_hashes"] = spec
+    return body
 
 
 def pong(reply: dict) -> Pong:

@@ -78,14 +78,21 @@ class Client:
     # --- one method per op ---------------------------------------------------------------
 
     def tokenize(self, text: str, *, model: str | None = None, add_special_tokens: bool = True,
-                 affinity: str | None = None, timeout: float | None = None) -> res.Tokens:
+                 affinity: str | None = None, timeout: float | None = None, offsets: bool = False,
+                 token_strs: bool = False, truncate: int | None = None, truncation_side: str = "left",
+                 block_hashes: res.BlockHashSpec | None = None) -> res.Tokens:
         return self._run(self.aio.tokenize(text, model=model, add_special_tokens=add_special_tokens,
-                                           affinity=affinity, timeout=timeout))
+                                           affinity=affinity, timeout=timeout, offsets=offsets, token_strs=token_strs,
+                                           truncate=truncate, truncation_side=truncation_side, block_hashes=block_hashes))
 
     def tokenize_batch(self, texts: Sequence[str], *, model: str | None = None, add_special_tokens: bool = True,
-                       affinity: str | None = None, timeout: float | None = None) -> res.TokensBatch:
+                       affinity: str | None = None, timeout: float | None = None, offsets: bool = False,
+                       token_strs: bool = False, truncate: int | None = None, truncation_side: str = "left",
+                       block_hashes: res.BlockHashSpec | None = None) -> res.TokensBatch:
         return self._run(self.aio.tokenize_batch(texts, model=model, add_special_tokens=add_special_tokens,
-                                                 affinity=affinity, timeout=timeout))
+                                                 affinity=affinity, timeout=timeout, offsets=offsets,
+                                                 token_strs=token_strs, truncate=truncate,
+                                                 truncation_side=truncation_side, block_hashes=block_hashes))
 
     def detokenize(self, tokens: IdsIn, *, model: str | None = None, skip_special_tokens: bool = True,
                    timeout: float | None = None) -> res.Text:
@@ -100,11 +107,14 @@ class Client:
     def chat(self, messages: Sequence[Mapping[str, Any]], *, model: str | None = None,
              tools: Sequence[Any] | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
-             return_prompt: bool = False, affinity: str | None = None, timeout: float | None = None) -> res.ChatTokens:
+             return_prompt: bool = False, affinity: str | None = None, timeout: float | None = None,
+             offsets: bool = False, token_strs: bool = False, truncate: int | None = None,
+             truncation_side: str = "left", block_hashes: res.BlockHashSpec | None = None) -> res.ChatTokens:
         return self._run(self.aio.chat(messages, model=model, tools=tools, add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message,
                                        chat_template_kwargs=chat_template_kwargs, return_prompt=return_prompt,
-                                       affinity=affinity, timeout=timeout))
+                                       affinity=affinity, timeout=timeout, offsets=offsets, token_strs=token_strs,
+                                       truncate=truncate, truncation_side=truncation_side, block_hashes=block_hashes))
 
     def count(self, body: Mapping[str, Any] | str | bytes, *, model: str | None = None, format: str | None = None,
               strict: bool = False, timeout: float | None = None) -> res.Count:

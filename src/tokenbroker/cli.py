@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _client_parser(sub, "tokenize", "print the token ids of TEXT as JSON")
     p.add_argument("text")
     p.add_argument("--no-special-tokens", action="store_true", help="add_special_tokens=false")
+    _add_token_in_flags(p)
     p = _client_parser(sub, "detokenize", "print the text of token IDs as JSON")
     p.add_argument("ids", nargs="+", type=int)
     p.add_argument("--keep-special-tokens", action="store_true", help="skip_special_tokens=false")
@@ -74,6 +75,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_token_in_flags(p: argparse.ArgumentParser) -> None:
+    """tokenize's contract 1.2 options (docs/protocol.md "tokenize and chat options")."""
+    g = p.add_argument_group("offsets, token strings, truncation, KV block hashes")
+    g.add_argument("--offsets", action="store_true", help="return_offsets: [start, end) in code points per id")
+    g.add_argument("--token-strs", action="store_true", help="return_token_strs: each id's vocabulary entry "
+                   "(hex bytes for tiktoken encodings)")
+    g.add_argument("--truncate", type=int, metavar="N", default=None, help="truncate_prompt_tokens: keep at most N ids")
+    g.add_argument("--truncation-side", choices=("left", "right"), default=None,
+                   help="left (default) keeps the last ids, right the first")
+    g.add_argument("--block-size", type=int, metavar="B", default=None,
+                   help="block_hashes: vLLM's prefix-cache block hashes with this block size (needs --seed); "
+                   "printed as one hex digest per block and their 64-bit forms")
+    g.add_argument("--seed", metavar="S", default=None, help="block_hashes: the engine's PYTHONHASHSEED")
+    g.add_argument("--lora-name", default=None, help="block_hashes: the request's LoRA adapter name")
+    g.add_argument("--cache-salt", default=None, help="block_hashes: the request's cache salt")
+
+
+def _token_in_fields(args: argparse.Namespace, parser_error: Callable[[str], Any]) -> dict[str, Any]:
+    fields: dict[str, Any] = {"return_offsets": args.offsets or None, "return_token_strs": args.token_strs or None,
+                              "truncate_prompt_tokens": args.truncate, "truncation_side": args.truncation_side}
+    if (args.block_size is None) != (args.seed is None):
+        parser_error("--block-size and --seed go together (vLLM's block size and its PYTHONHASHSEED)")
+    if args.block_size is not None:
+        spec = {"block_size": args.block_size, "seed": args.seed, "lora_name": args.lora_name,
+                "cache_salt": args.cache_salt}
+        fields["block_hashes"] = {k: v for k, v in spec.items() if v is not None}
+    return fields
+
+
+def _split_block_hashes(reply: dict) -> dict:
+    """A reply's `block_hashes` bin as one hex digest per block, with `block_hashes_int64` beside it."""
+    raw = reply.get("block_hashes")
+    if isinstance(raw, bytes):
+        from tokenbroker.client import BlockHashes
+
+        hashes = BlockHashes(raw)
+        reply = {**reply, "block_hashes": [d.hex() for d in hashes], "block_hashes_int64": hashes.ints()}
+    return reply
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.hex()
@@ -98,7 +139,8 @@ def _no_reply(args: argparse.Namespace) -> int:
 
 
 def _call(args: argparse.Namespace, op: str, **fields: Any) -> int:
-    """One call through the public client; prints the reply map as it came (ok or not) as JSON."""
+    """One call through the public client; prints the reply map as it came (ok or not) as JSON
+    (block hashes split per block, see `_split_block_hashes`)."""
     from tokenbroker.client import Unavailable
 
     fields = {k: v for k, v in {"model": getattr(args, "model", None), **fields}.items() if v is not None}
@@ -110,7 +152,7 @@ def _call(args: argparse.Namespace, op: str, **fields: Any) -> int:
     except (ValueError, RuntimeError) as e:  # a CURVE key option that is not a usable key
         print(f"tokenbroker: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(_jsonable(reply), ensure_ascii=False))
+    print(json.dumps(_jsonable(_split_block_hashes(reply)), ensure_ascii=False))
     return 0 if reply.get("ok") else 1
 
 
@@ -248,7 +290,8 @@ def _remove_model(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "serve":
         from tokenbroker.broker.main import serve
 
@@ -258,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve_worker(worker_config_from_args(args))
     if args.command == "tokenize":
-        return _call(args, "tokenize", text=args.text, add_special_tokens=not args.no_special_tokens)
+        return _call(args, "tokenize", text=args.text, add_special_tokens=not args.no_special_tokens,
+                     **_token_in_fields(args, parser.error))
     if args.command == "detokenize":
         return _call(args, "detokenize", tokens=args.ids, skip_special_tokens=not args.keep_special_tokens)
     if args.command == "models":

@@ -24,17 +24,21 @@ from ._client_errors import (
     WorkerFailed,
 )
 from ._client_results import (
+    BlockHashes,
+    BlockHashSpec,
     CacheInfo,
     ChatTokens,
     Count,
     ModelInfo,
     ModelState,
+    Offsets,
     Pong,
     RemovedModel,
     Text,
     TextBatch,
     Tokens,
     TokensBatch,
+    block_hash_int64,
 )
 from ._client_stream import AsyncDetokenizeStream, DetokenizeStream, StreamDelta
 from ._client_sync import Client
@@ -43,7 +47,7 @@ __all__ = [
     "AsyncClient", "Client", "DEFAULT_ENDPOINT", "EndpointStatus",
     "AsyncDetokenizeStream", "DetokenizeStream", "StreamDelta",
     "CacheInfo", "ChatTokens", "Count", "ModelInfo", "ModelState", "Pong", "RemovedModel", "Text", "TextBatch",
-    "Tokens", "TokensBatch",
+    "Tokens", "TokensBatch", "Offsets", "BlockHashes", "BlockHashSpec", "block_hash_int64",
     "TokenbrokerError", "BadRequest", "UnknownOp", "UnknownModel", "TooLarge", "TemplateError", "InvalidInput",
     "Forbidden", "Overloaded", "Timeout", "WorkerFailed", "Internal", "Unavailable",
 ]
