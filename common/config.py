@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 EMBEDDED_DEFAULT = "embedded:deepseek"
 EMBEDDED_DEFAULT_NAME = "deepseek"
 DEFAULT_ALIAS = "default"
+TOKENIZER_BACKENDS = ("auto", "fast", "reference")
 
 MiB = 1024 * 1024
 
@@ -59,6 +60,7 @@ class ModelConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: Limits = field(default_factory=Limits)
     max_models: int = 0  # --max-models-per-worker: 0 loads every model at start; N loads the default, the rest on demand
+    backend: str = "auto"  # --tokenizer-backend: auto (fastokens where probes prove it exact), fast, reference
 
     @property
     def default(self) -> ModelSpec:
@@ -108,6 +110,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     c.add_argument("--tokenizer-cache-l0-max-bytes", type=positive_int, default=CacheConfig.l0_max_bytes)
     c.add_argument("--tokenizer-cache-enable-l1", action="store_true")
     c.add_argument("--tokenizer-cache-l1-max-memory", type=positive_int, default=CacheConfig.l1_max_memory)
+    g.add_argument("--tokenizer-backend", choices=TOKENIZER_BACKENDS, default="auto",
+                   help="auto: fastokens for every model where probes at load prove it gives the reference's "
+                        "ids, the model's own library otherwise; fast: fastokens wherever it loads, unprobed; "
+                        "reference: always the model's own library (tokenizers, tiktoken)")
     g.add_argument("--max-models-per-worker", type=non_negative_int, default=0, metavar="N",
                    help="a worker holds at most N tokenizers, loaded on demand (0: every worker loads every model)")
     lim = p.add_argument_group("limits")
@@ -153,7 +159,7 @@ def model_config_from_args(a: argparse.Namespace) -> ModelConfig:
     )
     limits = Limits(max_batch_items=a.max_batch_items, max_reply_bytes=a.max_reply_bytes)
     return ModelConfig(models=models, tokenizer_map=tuple(a.tokenizer_map), cache=cache, limits=limits,
-                       max_models=a.max_models_per_worker)
+                       max_models=a.max_models_per_worker, backend=a.tokenizer_backend)
 
 
 def _aliases(name: str, served: list[str]) -> tuple[str, ...]:
@@ -190,5 +196,6 @@ def model_argv(m: ModelConfig) -> list[str]:
         "--max-batch-items", str(m.limits.max_batch_items),
         "--max-reply-bytes", str(m.limits.max_reply_bytes),
         "--max-models-per-worker", str(m.max_models),
+        "--tokenizer-backend", m.backend,
     ]
     return argv

@@ -389,6 +389,7 @@ class ModelInfo:
     chat_template: bool
     cached: bool
     source: str = ""
+    backend: str = ""  # the library that encodes it when this was sent: fastokens, tokenizers, tiktoken
 
     def to_wire(self) -> dict:
         return dict(self.__dict__)
@@ -414,7 +415,8 @@ class ModelInfo:
                 raise ValueError(f"model info field {name!r} must be bool, got {d.get(name)!r:.40}")
         return cls(kind=_checked_str(d, "kind", "model info", limit=64), vocab_size=vocab, special_tokens=list(specials),
                    chat_template=d["chat_template"], cached=d["cached"],
-                   source=_checked_str(d, "source", "model info", optional=True) or "")
+                   source=_checked_str(d, "source", "model info", optional=True) or "",
+                   backend=_checked_str(d, "backend", "model info", optional=True, limit=64) or "")
 
 
 @dataclass(frozen=True)

@@ -30,21 +30,11 @@ from tokenbroker.common.protocol import (
 from .cache import CacheOutcome
 from .count import count_request
 from .registry import Model, ModelRegistry
-from .tokenizers import InvalidTokenId
+from .tokenizers import InvalidTokenId, ids_to_u32
 
 log = logging.getLogger(__name__)
 
 _LITTLE = sys.byteorder == "little"
-
-
-def ids_to_u32(ids: list[int]) -> bytes:
-    """Little-endian uint32, whatever the host."""
-    a = array("I", ids)
-    if a.itemsize != 4:  # pragma: no cover - every platform we run on has a 4-byte unsigned int
-        a = array("L", ids)
-    if not _LITTLE:  # pragma: no cover
-        a.byteswap()
-    return a.tobytes()
 
 
 def u32_to_ids(data: bytes, field: str) -> list[int]:
@@ -121,18 +111,27 @@ class Ops:
 
     def _encode_group(self, model: Any, jobs: list[PendingJob], members: list[tuple[int, Request]],
                       add_special: bool, out: list) -> None:
-        try:
-            all_ids = model.tokenizer.encode_many([r.payload["text"] for _, r in members], add_special_tokens=add_special)
-        except Exception:  # one text the batch call refuses: serve each alone, so only it fails
-            for i, request in members:
-                reply, outcome = self.serve(request)
-                out[i] = (jobs[i].job_id, outcome, reply)
-            return
+        """One batch encode for the `u32` members, built from the engine's packed buffer (no Python
+        int per id where the engine gives one), and one for the rest."""
+        packed = [m for m in members if m[1].tokens_format == "u32"]
+        listed = [m for m in members if m[1].tokens_format != "u32"] if packed else members
+        tok = model.tokenizer
         off = CacheTally(self.registry.l0_enabled).to_wire()  # a cache-less model: nothing looked up
-        for (i, request), ids in zip(members, all_ids):
-            fields = {"tokens": _tokens_out(ids, request.tokens_format), "count": len(ids), "cache": off,
-                      "worker": self.worker_name}
-            out[i] = (jobs[i].job_id, *self._capped(request.raw_id, ok_reply(request.raw_id, fields), "ok"))
+        for part, u32 in ((packed, True), (listed, False)):
+            if not part:
+                continue
+            texts = [r.payload["text"] for _, r in part]
+            try:
+                results = (tok.encode_u32 if u32 else tok.encode_many)(texts, add_special_tokens=add_special)
+            except Exception:  # one text the batch call refuses: serve each alone, so only it fails
+                for i, request in part:
+                    reply, outcome = self.serve(request)
+                    out[i] = (jobs[i].job_id, outcome, reply)
+                continue
+            for (i, request), tokens in zip(part, results):
+                fields = {"tokens": tokens, "count": len(tokens) // 4 if u32 else len(tokens), "cache": off,
+                          "worker": self.worker_name}
+                out[i] = (jobs[i].job_id, *self._capped(request.raw_id, ok_reply(request.raw_id, fields), "ok"))
 
     def _capped(self, request_id: bytes, reply: bytes, outcome: str) -> tuple[str, bytes]:
         """(outcome, reply), or too_large when the reply is over --max-reply-bytes."""
