@@ -9,12 +9,16 @@ with it: broker/config.py, workers/config.py.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 
 EMBEDDED_DEFAULT = "embedded:deepseek"
 EMBEDDED_DEFAULT_NAME = "deepseek"
 DEFAULT_ALIAS = "default"
 TOKENIZER_BACKENDS = ("auto", "fast", "reference")
+# The default of --tokenizer-backend when the flag is not given (the test suite sets it to
+# `reference`: most tests are about the pool, and a fast engine built per worker start doubles them).
+BACKEND_ENV = "TOKENBROKER_TOKENIZER_BACKEND"
 
 MiB = 1024 * 1024
 
@@ -110,7 +114,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     c.add_argument("--tokenizer-cache-l0-max-bytes", type=positive_int, default=CacheConfig.l0_max_bytes)
     c.add_argument("--tokenizer-cache-enable-l1", action="store_true")
     c.add_argument("--tokenizer-cache-l1-max-memory", type=positive_int, default=CacheConfig.l1_max_memory)
-    g.add_argument("--tokenizer-backend", choices=TOKENIZER_BACKENDS, default="auto",
+    g.add_argument("--tokenizer-backend", choices=TOKENIZER_BACKENDS, default=os.environ.get(BACKEND_ENV, "auto"),
                    help="auto: fastokens for every model where probes at load prove it gives the reference's "
                         "ids, the model's own library otherwise; fast: fastokens wherever it loads, unprobed; "
                         "reference: always the model's own library (tokenizers, tiktoken)")

@@ -300,3 +300,10 @@ def speed_up(tok: Tokenizer, mode: str, *, name: str = "") -> tuple[FastEngine |
         return None, f"probe failed: {failed}"
     log.info("model %s: fastokens passed its probes, built in %.2fs, probed in %.2fs", label, built, probed)
     return fast, None
+
+
+def choose(tok: Tokenizer, mode: str, *, name: str = "") -> Tokenizer:
+    """`tok` served by the engine `mode` picks, at once (in-process use: tests, benchmarks); a worker
+    does the same in its loader thread and switches between rounds."""
+    tok.fast, _ = speed_up(tok, mode, name=name)
+    return tok
