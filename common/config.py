@@ -175,7 +175,7 @@ def model_argv(m: ModelConfig) -> list[str]:
     """The flags that make a worker load exactly `m` (the inverse of model_config_from_args)."""
     argv: list[str] = []
     d = m.default
-    if d.source != EMBEDDED_DEFAULT:
+    if d.source != EMBEDDED_DEFAULT or len(m.models) > 1:  # else the first --model would become the default
         argv += ["--model-path", d.source]
     if d.tokenizer_path:
         argv += ["--tokenizer-path", d.tokenizer_path]

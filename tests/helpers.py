@@ -306,7 +306,7 @@ def serving(*args: str, workers: int = 1) -> Iterator[tuple[BrokerProcess, Conn]
 
 
 __all__ = [
-    "BERT_DIR", "CHAT_TEMPLATES", "FIXTURES", "MODELS", "QWEN_TIKTOKEN", "BrokerProcess", "Conn", "Samples",
+    "BERT_DIR", "CHAT_TEMPLATES", "FIXTURES", "LSTRIP_DIR", "MODELS", "QWEN_TIKTOKEN", "SP_LEGACY_DIR", "BrokerProcess", "Conn", "Samples",
     "cpu_seconds", "deepseek_tokenizer", "error_code", "deepseek_tokenizer_json", "free_port", "rss", "sample", "scrape",
-    "series", "serving", "socket_inodes", "start_broker", "status_bytes", "until", "wait_until",
+    "series", "served_tokenizer", "serving", "socket_inodes", "start_broker", "status_bytes", "until", "wait_until",
 ]
