@@ -22,7 +22,7 @@ from helpers import BERT_DIR, LSTRIP_DIR, QWEN_TIKTOKEN, SP_LEGACY_DIR, serving,
 from tokenbroker.common.config import EMBEDDED_DEFAULT, CacheConfig
 from tokenbroker.workers.cache import TokenCache
 from tokenbroker.workers.engine import build_fast, probe, speed_up
-from tokenbroker.workers.tokenizers import InvalidTokenId, load_tokenizer
+from tokenbroker.workers.tokenizers import InvalidTokenId, ids_to_u32, load_tokenizer
 
 # source -> the engine auto must choose for it
 SHIPPED = {
@@ -92,6 +92,7 @@ def test_encode_through_caches_equals_the_reference_library(source: str, mode: s
                 want = ref.encode(text, add_special_tokens=flag)
                 for _ in range(2):  # the second time may come from L0, or reuse L1's prefix
                     assert cache_.encode(text, flag)[0] == want, (source, mode, flag, text)
+                    assert cache_.encode_u32(text, flag)[0] == ids_to_u32(want), (source, mode, flag, text)
             assert served_tokenizer(source).encode_u32([text]) == reference(source).encode_u32([text])
 
     run()
@@ -160,6 +161,12 @@ def test_a_worker_serves_at_once_then_switches_to_fastokens_and_models_says_whic
         assert conn.call("detokenize", tokens=ids)["text"] == "Bonjour, le monde ! 🙂"
         assert broker.logged("fastokens differs from tokenizers on probe: decode")
         assert broker.logged("now served by fastokens")
+        assert broker.logged("L1 let go: the fast engine")
+        for fmt in ("u32", "list"):  # after the switch: L0 hit, L0 miss, in both formats
+            for t in (text, text + " again"):
+                reply = conn.call("tokenize", text=t, tokens_format=fmt)
+                got = reply["tokens"] if fmt == "list" else list(memoryview(reply["tokens"]).cast("I"))
+                assert got == reference(EMBEDDED_DEFAULT).encode(t) and reply["count"] == len(got)
 
 
 def test_the_reference_backend_flag_keeps_every_model_on_its_library() -> None:

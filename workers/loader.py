@@ -305,6 +305,8 @@ class Catalog:
         if outcome.engine is None or not self.registry.holds(tok):
             return
         tok.fast = outcome.engine
+        for cache in {id(m.cache): m.cache for m in self.registry.models if m.tokenizer is tok}.values():
+            cache.fast_engine_serves()
         log.info("model %s: now served by %s (engine ready %.2fs after its load)", outcome.ticket.name,
                  tok.backend, outcome.seconds)
 

@@ -187,9 +187,8 @@ class Ops:
         model = self.registry.resolve(model_name)
         tally = CacheTally(self.registry.l0_enabled)
         if isinstance(text, str):
-            ids, outcome = model.cache.encode(text, add_special)
-            tally.add(outcome)
-            return {"tokens": _tokens_out(ids, fmt), "count": len(ids), "cache": tally.to_wire()}
+            tokens, count = self._encode_one(model, text, add_special, fmt, tally)
+            return {"tokens": tokens, "count": count, "cache": tally.to_wire()}
         self._batch_items(text, "text")
         for i, t in enumerate(text):
             if not isinstance(t, str):
@@ -197,11 +196,22 @@ class Ops:
         out, total = [], 0
         for i, t in enumerate(text):
             self._check_deadline(i)
-            ids, outcome = model.cache.encode(t, add_special)
-            tally.add(outcome)
-            total += len(ids)
-            out.append(_tokens_out(ids, fmt))
+            tokens, count = self._encode_one(model, t, add_special, fmt, tally)
+            total += count
+            out.append(tokens)
         return {"tokens": out, "count": total, "cache": tally.to_wire()}
+
+    @staticmethod
+    def _encode_one(model: Model, text: str, add_special: bool, fmt: str, tally: "CacheTally") -> tuple[Any, int]:
+        """(tokens in `fmt`, count) through the model's caches; `u32` never makes an int per id
+        where the engine and L0 hold packed ids."""
+        if fmt == "u32":
+            packed, outcome = model.cache.encode_u32(text, add_special)
+            tally.add(outcome)
+            return packed, len(packed) // 4
+        ids, outcome = model.cache.encode(text, add_special)
+        tally.add(outcome)
+        return ids, len(ids)
 
     def op_detokenize(self, p: dict, model_name: str | None, fmt: str) -> dict:
         tokens = req(p, "tokens", (list, bytes))
