@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 from dataclasses import dataclass, field
 
 from tokenbroker.common.config import ModelConfig
@@ -176,18 +177,23 @@ class Catalog:
         return out
 
 
-def served_backends(reports: Iterable[dict]) -> dict[str, str]:
-    """Model name -> the engine most of the workers holding it report (heartbeat `backends`: a worker
+def backend_counts(reports: Iterable[Any]) -> dict[str, Counter]:
+    """Model name -> how many workers serve it with each engine (heartbeat `backends`: a worker
     switches a model to fastokens after its LOADED). Reports are untrusted: non-str entries are skipped."""
     seen: dict[str, Counter] = {}
     for report in reports:
-        backends = report.get("backends") if isinstance(report, dict) else None
-        if not isinstance(backends, dict):
+        backends = report.get("backends") if isinstance(report, Mapping) else None
+        if not isinstance(backends, Mapping):
             continue
         for name, backend in backends.items():
             if isinstance(name, str) and isinstance(backend, str) and len(backend) <= 64:
                 seen.setdefault(name, Counter())[backend] += 1
-    return {name: min(c.items(), key=lambda kv: (-kv[1], kv[0]))[0] for name, c in seen.items()}
+    return seen
+
+
+def served_backends(reports: Iterable[Any]) -> dict[str, str]:
+    """Model name -> the engine most of the workers holding it report (ties: the first by name)."""
+    return {name: min(c.items(), key=lambda kv: (-kv[1], kv[0]))[0] for name, c in backend_counts(reports).items()}
 
 
 MAX_MODEL_NAME = 1024  # characters in a model name or alias

@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import BERT_DIR, LSTRIP_DIR, QWEN_TIKTOKEN, SP_LEGACY_DIR, serving, served_tokenizer, wait_until
+from helpers import (BERT_DIR, LSTRIP_DIR, QWEN_TIKTOKEN, SP_LEGACY_DIR, free_port, scrape, series, served_tokenizer,
+                     serving, wait_until)
 from tokenbroker.common.config import EMBEDDED_DEFAULT, CacheConfig
 from tokenbroker.workers.cache import TokenCache
 from tokenbroker.workers.engine import build_fast, probe, speed_up
@@ -141,7 +142,8 @@ def test_a_worker_serves_at_once_then_switches_to_fastokens_and_models_says_whic
     """Auto: DeepSeek and the lstrip/rstrip BPE switch to fastokens in the background; the legacy
     SentencePiece BPE (a probe fails) and BERT (refused) stay on tokenizers; ids never change."""
     legacy, lstrip = str(SP_LEGACY_DIR / "tokenizer.json"), str(LSTRIP_DIR / "tokenizer.json")
-    with serving("--tokenizer-backend", "auto", "--model-path", EMBEDDED_DEFAULT, "--model", f"legacy={legacy}", "--model", f"lstrip={lstrip}",
+    with serving("--tokenizer-backend", "auto", "--metrics-port", str(free_port()),
+                 "--model-path", EMBEDDED_DEFAULT, "--model", f"legacy={legacy}", "--model", f"lstrip={lstrip}",
                  "--model", f"bert={BERT_DIR}", "--tokenizer-cache-enable-l0", "--tokenizer-cache-enable-l1") as (broker, conn):
         text = "<｜User｜>hello  world<｜Assistant｜>" * 3
         want = reference(EMBEDDED_DEFAULT).encode(text)
@@ -162,6 +164,12 @@ def test_a_worker_serves_at_once_then_switches_to_fastokens_and_models_says_whic
         assert broker.logged("fastokens differs from tokenizers on probe: decode")
         assert broker.logged("now served by fastokens")
         assert broker.logged("L1 let go: the fast engine")
+        def engines() -> dict | None:
+            e = {dict(labels)["model"]: dict(labels)["backend"]
+                 for labels, n in series(scrape(broker.metrics), "tokenbroker_model_engines").items() if n == 1}
+            return e if e.get("deepseek") == "fastokens" else None
+
+        assert wait_until(engines, what="the engines gauge")["bert"] == "tokenizers"
         for fmt in ("u32", "list"):  # after the switch: L0 hit, L0 miss, in both formats
             for t in (text, text + " again"):
                 reply = conn.call("tokenize", text=t, tokens_format=fmt)
