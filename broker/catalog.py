@@ -14,6 +14,9 @@ first). Which workers hold an entry is broker/placement.py's.
 from __future__ import annotations
 
 import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
 from dataclasses import dataclass, field
 
 from tokenbroker.common.config import ModelConfig
@@ -145,9 +148,11 @@ class Catalog:
 
     # --- the `models` reply --------------------------------------------------------------
 
-    def describe(self, workers: dict[str, int]) -> list[dict]:
-        """The `models` reply: every entry not being removed; `workers`: how many hold each."""
+    def describe(self, workers: dict[str, int], backends: dict[str, str] | None = None) -> list[dict]:
+        """The `models` reply: every entry not being removed; `workers`: how many hold each;
+        `backends`: the engine its workers' heartbeats say serves it (served_backends)."""
         out = []
+        backends = backends or {}
         for entry in self.entries.values():
             if entry.removing:
                 continue
@@ -156,6 +161,7 @@ class Catalog:
                 "name": entry.name,
                 "aliases": list(entry.spec.aliases),
                 "kind": info.get("kind", ""),
+                "backend": backends.get(entry.name) or info.get("backend", ""),
                 "vocab_size": info.get("vocab_size", 0),
                 "special_tokens": list(info.get("special_tokens", [])),
                 "chat_template": bool(info.get("chat_template", entry.spec.chat_template is not None)),
@@ -170,6 +176,25 @@ class Catalog:
                 item["error"] = entry.error
             out.append(item)
         return out
+
+
+def backend_counts(reports: Iterable[Any]) -> dict[str, Counter]:
+    """Model name -> how many workers serve it with each engine (heartbeat `backends`: a worker
+    switches a model to fastokens after its LOADED). Reports are untrusted: non-str entries are skipped."""
+    seen: dict[str, Counter] = {}
+    for report in reports:
+        backends = report.get("backends") if isinstance(report, Mapping) else None
+        if not isinstance(backends, Mapping):
+            continue
+        for name, backend in backends.items():
+            if isinstance(name, str) and isinstance(backend, str) and len(backend) <= 64:
+                seen.setdefault(name, Counter())[backend] += 1
+    return seen
+
+
+def served_backends(reports: Iterable[Any]) -> dict[str, str]:
+    """Model name -> the engine most of the workers holding it report (ties: the first by name)."""
+    return {name: min(c.items(), key=lambda kv: (-kv[1], kv[0]))[0] for name, c in backend_counts(reports).items()}
 
 
 # (1.2) as the worker read them; before a worker has loaded the model, these

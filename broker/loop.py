@@ -25,7 +25,7 @@ from tokenbroker.common.protocol import ADMIN_OPS, MAX_DEADLINE_MS, SKIPPED, W_B
 
 from .affinity import route_key
 from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
-from .catalog import FAILED, LOADING, WORKER, Catalog, CatalogError, Entry, add_model_spec
+from .catalog import FAILED, LOADING, WORKER, Catalog, CatalogError, Entry, add_model_spec, served_backends
 from .config import BrokerConfig
 from .dispatch import Dispatcher, Job
 from .frontend import Frontend, Incoming
@@ -411,7 +411,8 @@ class Broker:
                 raise ProtocolError("forbidden", f"op {peek.op!r} is an admin op: use it from a loopback connection, "
                                     "or under CURVE with a key in the broker's --curve-admins")
             if peek.op == "models":
-                fields = {"models": self.catalog.describe(self.placement.replicas())}
+                reports = [w.report for w in self.backend.workers.values()]
+                fields = {"models": self.catalog.describe(self.placement.replicas(), served_backends(reports))}
             elif peek.op == "add_model":
                 fields = self._add_model(add_model_spec(unpack(peek.raw)))
             else:

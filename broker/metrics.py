@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from tokenbroker.common.process import resident_bytes
 
+from .catalog import backend_counts
 from .snapshot import ModelView, PoolSnapshot, WorkerView
 
 __all__ = ["PoolMetrics", "PoolCollector", "Ledger", "LATENCY_BUCKETS", "CACHE_LAYERS"]
@@ -121,6 +122,18 @@ class PoolCollector:
         yield from _router_families(snapshot.router)
         yield from self._metrics.request_families()
         yield from self._metrics.model_families(snapshot.models)
+        yield _engine_family(snapshot.workers)
+
+
+def _engine_family(workers: Iterable[WorkerView]) -> Metric:
+    """Per model and engine: how many workers serve it with it now (heartbeat `backends`; a worker
+    loads with the reference library and switches to fastokens once its probes pass)."""
+    engines = GaugeMetricFamily("tokenbroker_model_engines", "Workers serving a model, by the library that encodes it",
+                                labels=["model", "backend"])
+    for model, counts in sorted(backend_counts(w.report for w in workers).items()):
+        for backend, n in sorted(counts.items()):
+            engines.add_metric([model, backend], n)
+    return engines
 
 
 def _layer_sizes(workers: Iterable[WorkerView]) -> dict[str, dict[str, int]]:

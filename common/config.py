@@ -9,11 +9,16 @@ with it: broker/config.py, workers/config.py.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 
 EMBEDDED_DEFAULT = "embedded:deepseek"
 EMBEDDED_DEFAULT_NAME = "deepseek"
 DEFAULT_ALIAS = "default"
+TOKENIZER_BACKENDS = ("auto", "fast", "reference")
+# The default of --tokenizer-backend when the flag is not given (the test suite sets it to
+# `reference`: most tests are about the pool, and a fast engine built per worker start doubles them).
+BACKEND_ENV = "TOKENBROKER_TOKENIZER_BACKEND"
 
 MiB = 1024 * 1024
 
@@ -59,6 +64,7 @@ class ModelConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: Limits = field(default_factory=Limits)
     max_models: int = 0  # --max-models-per-worker: 0 loads every model at start; N loads the default, the rest on demand
+    backend: str = "auto"  # --tokenizer-backend: auto (fastokens where probes prove it exact), fast, reference
 
     @property
     def default(self) -> ModelSpec:
@@ -108,6 +114,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     c.add_argument("--tokenizer-cache-l0-max-bytes", type=positive_int, default=CacheConfig.l0_max_bytes)
     c.add_argument("--tokenizer-cache-enable-l1", action="store_true")
     c.add_argument("--tokenizer-cache-l1-max-memory", type=positive_int, default=CacheConfig.l1_max_memory)
+    g.add_argument("--tokenizer-backend", choices=TOKENIZER_BACKENDS, default=os.environ.get(BACKEND_ENV, "auto"),
+                   help="auto: fastokens for every model where probes at load prove it gives the reference's "
+                        "ids, the model's own library otherwise; fast: fastokens wherever it loads, unprobed; "
+                        "reference: always the model's own library (tokenizers, tiktoken)")
     g.add_argument("--max-models-per-worker", type=non_negative_int, default=0, metavar="N",
                    help="a worker holds at most N tokenizers, loaded on demand (0: every worker loads every model)")
     lim = p.add_argument_group("limits")
@@ -153,7 +163,7 @@ def model_config_from_args(a: argparse.Namespace) -> ModelConfig:
     )
     limits = Limits(max_batch_items=a.max_batch_items, max_reply_bytes=a.max_reply_bytes)
     return ModelConfig(models=models, tokenizer_map=tuple(a.tokenizer_map), cache=cache, limits=limits,
-                       max_models=a.max_models_per_worker)
+                       max_models=a.max_models_per_worker, backend=a.tokenizer_backend)
 
 
 def _aliases(name: str, served: list[str]) -> tuple[str, ...]:
@@ -165,7 +175,7 @@ def model_argv(m: ModelConfig) -> list[str]:
     """The flags that make a worker load exactly `m` (the inverse of model_config_from_args)."""
     argv: list[str] = []
     d = m.default
-    if d.source != EMBEDDED_DEFAULT:
+    if d.source != EMBEDDED_DEFAULT or len(m.models) > 1:  # else the first --model would become the default
         argv += ["--model-path", d.source]
     if d.tokenizer_path:
         argv += ["--tokenizer-path", d.tokenizer_path]
@@ -190,5 +200,6 @@ def model_argv(m: ModelConfig) -> list[str]:
         "--max-batch-items", str(m.limits.max_batch_items),
         "--max-reply-bytes", str(m.limits.max_reply_bytes),
         "--max-models-per-worker", str(m.max_models),
+        "--tokenizer-backend", m.backend,
     ]
     return argv

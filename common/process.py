@@ -20,6 +20,7 @@ ONE_THREAD_ENV: Mapping[str, str] = MappingProxyType({
     "RAYON_NUM_THREADS": "1",
     "RAYON_RS_NUM_CPUS": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    "FASTOKENS_BPE_THREADS": "1",  # fastokens' own pool (it defaults to every core), read at its first use
 })
 
 

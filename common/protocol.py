@@ -393,6 +393,7 @@ class ModelInfo:
     eos_token: str | None = None
     model_max_length: int | None = None
     added_tokens: int = 0
+    backend: str = ""  # the library that encodes it when this was sent: fastokens, tokenizers, tiktoken
 
     def to_wire(self) -> dict:
         return dict(self.__dict__)
@@ -426,7 +427,8 @@ class ModelInfo:
                    source=_checked_str(d, "source", "model info", optional=True) or "",
                    bos_token=_checked_str(d, "bos_token", "model info", optional=True),
                    eos_token=_checked_str(d, "eos_token", "model info", optional=True),
-                   model_max_length=max_length, added_tokens=added)
+                   model_max_length=max_length, added_tokens=added,
+                   backend=_checked_str(d, "backend", "model info", optional=True, limit=64) or "")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,10 @@ for _f in _cache_dir.iterdir():
 os.environ["TIKTOKEN_CACHE_DIR"] = str(_cache_dir)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Brokers and workers the tests start serve with the reference library unless a test asks for
+# another engine (tests/test_engine*.py do): a fast engine built at every worker start would double
+# the suite's time. The in-process exactness tests run against the engine a worker would choose.
+os.environ.setdefault("TOKENBROKER_TOKENIZER_BACKEND", "reference")
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -34,6 +35,18 @@ FIXTURES = Path(__file__).parent / "fixtures"
 MODELS = FIXTURES / "models"
 BERT_DIR = MODELS / "minilm-bert"
 QWEN_TIKTOKEN = MODELS / "qwen" / "qwen.tiktoken"
+LSTRIP_DIR = MODELS / "bpe-lstrip-rstrip"  # byte-level BPE with lstrip/rstrip added tokens: fastokens serves it
+SP_LEGACY_DIR = MODELS / "sp-bpe-legacy"  # SentencePiece-style BPE that fastokens decodes differently: the reference serves it
+
+
+@functools.cache
+def served_tokenizer(source: str, mode: str = "auto") -> Any:
+    """A tokenizer loaded and given the engine a worker would choose under --tokenizer-backend `mode`
+    (workers/engine.py), once per test session: building fastokens costs seconds."""
+    from tokenbroker.workers.engine import choose
+    from tokenbroker.workers.tokenizers import load_tokenizer
+
+    return choose(load_tokenizer(source), mode, name=source)
 CHAT_TEMPLATES = FIXTURES / "chat_templates"
 
 T = TypeVar("T")
@@ -293,7 +306,7 @@ def serving(*args: str, workers: int = 1) -> Iterator[tuple[BrokerProcess, Conn]
 
 
 __all__ = [
-    "BERT_DIR", "CHAT_TEMPLATES", "FIXTURES", "MODELS", "QWEN_TIKTOKEN", "BrokerProcess", "Conn", "Samples",
+    "BERT_DIR", "CHAT_TEMPLATES", "FIXTURES", "LSTRIP_DIR", "MODELS", "QWEN_TIKTOKEN", "SP_LEGACY_DIR", "BrokerProcess", "Conn", "Samples",
     "cpu_seconds", "deepseek_tokenizer", "error_code", "deepseek_tokenizer_json", "free_port", "rss", "sample", "scrape",
-    "series", "serving", "socket_inodes", "start_broker", "status_bytes", "until", "wait_until",
+    "series", "served_tokenizer", "serving", "socket_inodes", "start_broker", "status_bytes", "until", "wait_until",
 ]

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from helpers import BERT_DIR, deepseek_tokenizer
+from helpers import BERT_DIR, served_tokenizer
+from tokenbroker.common.config import EMBEDDED_DEFAULT
 from tokenbroker.common.config import CacheConfig
 from tokenbroker.workers.cache import TokenCache
 
@@ -113,16 +114,27 @@ SP_NAMED = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_
 
 @cache
 def tokenizer(name: str) -> Any:
+    """The shipped tokenizers as a worker serves them, with the engine it chooses (fastokens for
+    DeepSeek and cl100k, the reference for BERT, which fastokens refuses); the SentencePiece-style
+    ones built here in the worker's shape, on the reference (fastokens has no Unigram)."""
     if name == "deepseek":
-        named = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
-        return HFTok(deepseek_tokenizer(), named)
+        return served_tokenizer(EMBEDDED_DEFAULT)
     if name == "bert":
-        named = {k: f"[{k[:-6].upper()}]" for k in ("cls_token", "sep_token", "pad_token", "unk_token", "mask_token")}
-        return HFTok(Tokenizer.from_file(str(BERT_DIR / "tokenizer.json")), named)
+        return served_tokenizer(str(BERT_DIR))
     if name == "cl100k":
-        return TiktokenTok(tiktoken.get_encoding("cl100k_base"))
+        return served_tokenizer("cl100k_base")
     scheme = name.removeprefix("sp-")
     return HFTok(build_sentencepiece(scheme), SP_NAMED)
+
+
+@cache
+def reference(name: str) -> Any:
+    """The reference library's own encode for `name`, whatever engine serves it: (text, flag) -> ids."""
+    tok = tokenizer(name)
+    if tok.kind == "tiktoken":
+        allowed = frozenset(tok.special_tokens)
+        return lambda text, flag: tok.raw.encode(text, allowed_special=allowed, disallowed_special=())
+    return lambda text, flag: tok.raw.encode(text, add_special_tokens=flag).ids
 
 
 # Examples per tokenizer and layer set; raise it for a longer hunt (TOKENBROKER_EXACTNESS_EXAMPLES=500).
@@ -172,12 +184,12 @@ def turns(name: str) -> st.SearchStrategy[list[str]]:
 
 
 def check_conversation(name: str, layers: str, conversation: list[str]) -> None:
-    tok, cache_ = tokenizer(name), token_cache(name, layers)
+    cache_, encode = token_cache(name, layers), reference(name)
     text = ""
     for turn in conversation:
         text += turn
         for flag in (False, True):
-            want = tok.encode(text, add_special_tokens=flag)
+            want = encode(text, flag)
             for _ in range(2):  # the second time it may come from L0
                 got, _outcome = cache_.encode(text, flag)
                 assert got == want, f"{name}/{layers} add_special_tokens={flag} {text!r}"

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
-from helpers import BERT_DIR, QWEN_TIKTOKEN, deepseek_tokenizer_json
+from helpers import BERT_DIR, QWEN_TIKTOKEN, deepseek_tokenizer_json, served_tokenizer
 from tokenbroker.common.config import EMBEDDED_DEFAULT
 from tokenbroker.common.errors import BootError
 from tokenbroker.workers.tokenizers import InvalidTokenId, Tokenizer, load_tokenizer
@@ -97,16 +97,24 @@ def o200k_file(tmp_path_factory: pytest.TempPathFactory, tiktoken_cache_dir: Pat
     return dest
 
 
+def _same_engine(tok: Tokenizer, like: Tokenizer) -> Tokenizer:
+    """`tok` served by the engine chosen for `like`, a load of the same ranks (one build, not three)."""
+    tok.fast = like.fast
+    return tok
+
+
 @pytest.fixture(scope="module")
 def cases(o200k_file: Path) -> dict[str, Case]:
+    """Each tokenizer with the engine a worker would choose (fastokens where its probes pass)."""
     o200k = tiktoken.get_encoding("o200k_base")
+    by_name = served_tokenizer("o200k_base")
     return {
-        "deepseek": Case(load_tokenizer(EMBEDDED_DEFAULT), *_hf_reference(deepseek_tokenizer_json()), lossless=True),
-        "bert": Case(load_tokenizer(str(BERT_DIR)), *_hf_reference(BERT_DIR / "tokenizer.json"), lossless=False),
-        "qwen": Case(load_tokenizer(str(QWEN_TIKTOKEN)), *_tiktoken_reference(_qwen_reference()), lossless=True),
-        "o200k-by-name": Case(load_tokenizer("o200k_base"), *_tiktoken_reference(o200k), lossless=True),
-        "o200k-by-model": Case(load_tokenizer("gpt-4o"), *_tiktoken_reference(o200k), lossless=True),
-        "o200k-by-file": Case(load_tokenizer(str(o200k_file)), *_tiktoken_reference(o200k), lossless=True),
+        "deepseek": Case(served_tokenizer(EMBEDDED_DEFAULT), *_hf_reference(deepseek_tokenizer_json()), lossless=True),
+        "bert": Case(served_tokenizer(str(BERT_DIR)), *_hf_reference(BERT_DIR / "tokenizer.json"), lossless=False),
+        "qwen": Case(served_tokenizer(str(QWEN_TIKTOKEN)), *_tiktoken_reference(_qwen_reference()), lossless=True),
+        "o200k-by-name": Case(by_name, *_tiktoken_reference(o200k), lossless=True),
+        "o200k-by-model": Case(_same_engine(load_tokenizer("gpt-4o"), by_name), *_tiktoken_reference(o200k), lossless=True),
+        "o200k-by-file": Case(_same_engine(load_tokenizer(str(o200k_file)), by_name), *_tiktoken_reference(o200k), lossless=True),
     }
 
 

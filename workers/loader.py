@@ -4,13 +4,16 @@ A tokenizer takes from a fraction of a second to many seconds to load (a 150,000
 parsed, its fingerprint hashed), so it never loads on the main thread, which serves jobs: one loader
 thread takes loads one after another and hands each finished one back through a queue, writing a
 byte to a pipe that the main thread's poller watches, so a finished load is installed at once,
-between two rounds of jobs. The loader thread never touches the registry; `Catalog` does, on the
+between two rounds of jobs. The same thread then builds each new tokenizer's fast engine and runs
+its probes (workers/engine.py): the model is served by its reference library meanwhile, and the
+main thread switches it over between two rounds, with no pause and the same ids. The loader thread never touches the registry; `Catalog` does, on the
 main thread only, and turns every outcome into the `Loaded` the broker reads (docs/protocol.md,
 "The model catalog").
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -22,7 +25,9 @@ from tokenbroker.common.config import CacheConfig, ModelSpec
 from tokenbroker.common.errors import BootError
 from tokenbroker.common.protocol import LoadSpec, Loaded
 
+from .engine import FastEngine, speed_up
 from .registry import Model, ModelRegistry, load_model
+from .tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +41,25 @@ class Ticket:
 
     spec: ModelSpec
     cancelled: bool = False
+
+
+@dataclass(eq=False)
+class EngineTicket:
+    """A loaded tokenizer to give its fast engine, under --tokenizer-backend `mode`."""
+
+    tokenizer: Tokenizer
+    name: str
+    mode: str
+
+
+@dataclass(frozen=True)
+class EngineOutcome:
+    """The fast engine built and probed for a ticket's tokenizer, or None and why not."""
+
+    ticket: EngineTicket
+    engine: FastEngine | None
+    reason: str | None
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -90,8 +114,10 @@ class Loader:
 
     def __init__(self, cache_config: CacheConfig) -> None:
         self._cache_config = cache_config
-        self._todo: queue.SimpleQueue[Ticket | None] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        # Loads go before fast engines: a model the broker waits for is never held up by a speed-up.
+        self._todo: queue.PriorityQueue[tuple[int, int, Ticket | EngineTicket | None]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._done: queue.SimpleQueue[Outcome | EngineOutcome] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -109,13 +135,13 @@ class Loader:
         except OSError:  # the pipe is full: the poll returns anyway
             pass
 
-    def submit(self, ticket: Ticket) -> None:
+    def submit(self, ticket: Ticket | EngineTicket) -> None:
         if self._thread is None:  # started on the first load: a worker that never loads has no thread
             self._thread = threading.Thread(target=self._run, name="tokenbroker-loader", daemon=True)
             self._thread.start()
-        self._todo.put(ticket)
+        self._todo.put((1 if isinstance(ticket, EngineTicket) else 0, next(self._order), ticket))
 
-    def finished(self) -> list[Outcome]:
+    def finished(self) -> list[Outcome | EngineOutcome]:
         """Every load finished since the last call (main thread)."""
         try:
             while os.read(self._wake_r, 4096):
@@ -131,11 +157,22 @@ class Loader:
 
     def close(self) -> None:
         """Stop the thread after the load it is running (it is a daemon: a process leaving does not wait)."""
-        self._todo.put(None)
+        self._todo.put((-1, next(self._order), None))
+
+    def idle(self, timeout: float) -> bool:
+        """After close(): True once the thread has ended (or never started), waiting at most `timeout`."""
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
-        while (ticket := self._todo.get()) is not None:
-            if ticket.cancelled:
+        while (ticket := self._todo.get()[2]) is not None:
+            if isinstance(ticket, EngineTicket):
+                start = time.monotonic()
+                engine, reason = speed_up(ticket.tokenizer, ticket.mode, name=ticket.name)
+                outcome = EngineOutcome(ticket, engine, reason, time.monotonic() - start)
+            elif ticket.cancelled:
                 outcome = Outcome(ticket, None, "cancelled", 0.0)
             else:
                 outcome = load_outcome(ticket, self._cache_config)
@@ -162,6 +199,13 @@ class Catalog:
         self.loader = loader
         self.max_models = max_models
         self.loading: dict[str, Ticket] = {}  # name -> the load that will install it
+        for model in registry.models:  # loaded at start with their reference library
+            self._speed_up(model)
+
+    def _speed_up(self, model: Model) -> None:
+        """Have the loader build and probe `model`'s fast engine (unless --tokenizer-backend reference)."""
+        if self.registry.backend_mode != "reference" and model.tokenizer.fast is None:
+            self.loader.submit(EngineTicket(model.tokenizer, model.name, self.registry.backend_mode))
 
     def load(self, body: bytes, *, leaving: bool = False) -> list[Loaded]:
         try:
@@ -230,6 +274,9 @@ class Catalog:
         """Install the loads that finished; their LOADED messages (none for a cancelled one)."""
         out = []
         for outcome in self.loader.finished():
+            if isinstance(outcome, EngineOutcome):
+                self._switch(outcome)
+                continue
             ticket, name = outcome.ticket, outcome.ticket.spec.name
             if ticket.cancelled or self.loading.get(name) is not ticket:
                 continue  # unloaded meanwhile: its model goes with this outcome
@@ -239,15 +286,29 @@ class Catalog:
                 twin = self.registry.twin(model.fingerprint)
                 if twin is not None:  # the same tokenizer is here already: serve this name with it, drop the copy
                     model = twin.sharing(model.spec)
-                    outcome = replace(outcome, model=model)
+                    outcome = replace(outcome, model=model, info=model.info().to_wire())
                     release_memory()
                 try:
                     self.registry.install(model)
                 except ValueError as e:  # cannot happen while `load` checks names; said, never raised
                     out.append(Loaded(name, False, error=str(e)[:MAX_ERROR_CHARS], seconds=outcome.seconds))
                     continue
+                if twin is None:
+                    self._speed_up(model)
             out.append(outcome.loaded())
         return out
+
+    def _switch(self, outcome: EngineOutcome) -> None:
+        """Serve a tokenizer with its fast engine from the next round on (main thread, between rounds:
+        one attribute set, so no job sees half a switch). A tokenizer let go meanwhile is skipped."""
+        tok = outcome.ticket.tokenizer
+        if outcome.engine is None or not self.registry.holds(tok):
+            return
+        tok.fast = outcome.engine
+        for cache in {id(m.cache): m.cache for m in self.registry.models if m.tokenizer is tok}.values():
+            cache.fast_engine_serves()
+        log.info("model %s: now served by %s (engine ready %.2fs after its load)", outcome.ticket.name,
+                 tok.backend, outcome.seconds)
 
 
 def release_memory() -> None:

@@ -102,6 +102,7 @@ class Worker:
         self.leaving = threading.Event()  # set on SIGTERM or SIGINT
         self.served = 0
         self.stats: dict = registry.cache_stats()
+        self.backends: dict[str, str] = registry.backends()  # model -> engine, as the switch to fastokens comes later
         self.next_beat = 0.0
         self.round_until: float | None = None  # while a round computes: when it is overdue
         self.stuck_logged = False
@@ -134,6 +135,7 @@ class Worker:
             "rss": resident_bytes(),
             "served": self.served,
             "caches": self.stats,
+            "backends": self.backends,
         }
         return [W_HEARTBEAT, pack(body)]
 
@@ -181,6 +183,7 @@ class Worker:
                         log.warning("the broker that started this worker (pid %s) is gone: leaving", self.parent_pid)
                         self.leaving.set()
                     self.stats = self.registry.cache_stats()
+                    self.backends = self.registry.backends()
                     self._send(self._heartbeat())
                     self.next_beat = now + HEARTBEAT_INTERVAL_S
                     if not heard:
@@ -287,4 +290,12 @@ def serve(config: WorkerConfig) -> int:
     signal.signal(signal.SIGINT, leave)
     worker.run()
     ctx.term()
+    if not worker.loader.idle(timeout=1.0):
+        # The loader thread is inside a library call (building or probing a fast engine): a daemon
+        # thread unwound at interpreter exit through Rust frames aborts the process. Nothing of it
+        # is needed any more: leave without finalizing.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0

@@ -31,21 +31,11 @@ from .cache import CacheOutcome
 from .count import count_request
 from .registry import Model, ModelRegistry
 from .tokenin import CHAIN_MEMO_BYTES, Extras, Served, Tokenin, asks_extras, parse_extras
-from .tokenizers import InvalidTokenId
+from .tokenizers import InvalidTokenId, ids_to_u32
 
 log = logging.getLogger(__name__)
 
 _LITTLE = sys.byteorder == "little"
-
-
-def ids_to_u32(ids: list[int]) -> bytes:
-    """Little-endian uint32, whatever the host."""
-    a = array("I", ids)
-    if a.itemsize != 4:  # pragma: no cover - every platform we run on has a 4-byte unsigned int
-        a = array("L", ids)
-    if not _LITTLE:  # pragma: no cover
-        a.byteswap()
-    return a.tobytes()
 
 
 def u32_to_ids(data: bytes, field: str) -> list[int]:
@@ -126,18 +116,27 @@ class Ops:
 
     def _encode_group(self, model: Any, jobs: list[PendingJob], members: list[tuple[int, Request]],
                       add_special: bool, out: list) -> None:
-        try:
-            all_ids = model.tokenizer.encode_many([r.payload["text"] for _, r in members], add_special_tokens=add_special)
-        except Exception:  # one text the batch call refuses: serve each alone, so only it fails
-            for i, request in members:
-                reply, outcome = self.serve(request)
-                out[i] = (jobs[i].job_id, outcome, reply)
-            return
+        """One batch encode for the `u32` members, built from the engine's packed buffer (no Python
+        int per id where the engine gives one), and one for the rest."""
+        packed = [m for m in members if m[1].tokens_format == "u32"]
+        listed = [m for m in members if m[1].tokens_format != "u32"] if packed else members
+        tok = model.tokenizer
         off = CacheTally(self.registry.l0_enabled).to_wire()  # a cache-less model: nothing looked up
-        for (i, request), ids in zip(members, all_ids):
-            fields = {"tokens": _tokens_out(ids, request.tokens_format), "count": len(ids), "cache": off,
-                      "worker": self.worker_name}
-            out[i] = (jobs[i].job_id, *self._capped(request.raw_id, ok_reply(request.raw_id, fields), "ok"))
+        for part, u32 in ((packed, True), (listed, False)):
+            if not part:
+                continue
+            texts = [r.payload["text"] for _, r in part]
+            try:
+                results = (tok.encode_u32 if u32 else tok.encode_many)(texts, add_special_tokens=add_special)
+            except Exception:  # one text the batch call refuses: serve each alone, so only it fails
+                for i, request in part:
+                    reply, outcome = self.serve(request)
+                    out[i] = (jobs[i].job_id, outcome, reply)
+                continue
+            for (i, request), tokens in zip(part, results):
+                fields = {"tokens": tokens, "count": len(tokens) // 4 if u32 else len(tokens), "cache": off,
+                          "worker": self.worker_name}
+                out[i] = (jobs[i].job_id, *self._capped(request.raw_id, ok_reply(request.raw_id, fields), "ok"))
 
     def _capped(self, request_id: bytes, reply: bytes, outcome: str) -> tuple[str, bytes]:
         """(outcome, reply), or too_large when the reply is over --max-reply-bytes."""
@@ -196,9 +195,8 @@ class Ops:
         if isinstance(text, str):
             if extras is not None:
                 return self._with_extras(model, [text], add_special, extras, fmt, tally, batch=False)
-            ids, outcome = model.cache.encode(text, add_special)
-            tally.add(outcome)
-            return {"tokens": _tokens_out(ids, fmt), "count": len(ids), "cache": tally.to_wire()}
+            tokens, count = self._encode_one(model, text, add_special, fmt, tally)
+            return {"tokens": tokens, "count": count, "cache": tally.to_wire()}
         self._batch_items(text, "text")
         for i, t in enumerate(text):
             if not isinstance(t, str):
@@ -208,10 +206,9 @@ class Ops:
         out, total = [], 0
         for i, t in enumerate(text):
             self._check_deadline(i)
-            ids, outcome = model.cache.encode(t, add_special)
-            tally.add(outcome)
-            total += len(ids)
-            out.append(_tokens_out(ids, fmt))
+            tokens, count = self._encode_one(model, t, add_special, fmt, tally)
+            total += count
+            out.append(tokens)
         return {"tokens": out, "count": total, "cache": tally.to_wire()}
 
     def _with_extras(self, model: Model, texts: list[str], add_special: bool, ex: Extras, fmt: str,
@@ -243,6 +240,18 @@ class Ops:
             reply["truncated"] = truncated
         reply["cache"] = tally.to_wire()
         return reply
+
+    @staticmethod
+    def _encode_one(model: Model, text: str, add_special: bool, fmt: str, tally: "CacheTally") -> tuple[Any, int]:
+        """(tokens in `fmt`, count) through the model's caches; `u32` never makes an int per id
+        where the engine and L0 hold packed ids."""
+        if fmt == "u32":
+            packed, outcome = model.cache.encode_u32(text, add_special)
+            tally.add(outcome)
+            return packed, len(packed) // 4
+        ids, outcome = model.cache.encode(text, add_special)
+        tally.add(outcome)
+        return ids, len(ids)
 
     def op_detokenize(self, p: dict, model_name: str | None, fmt: str) -> dict:
         tokens = req(p, "tokens", (list, bytes))

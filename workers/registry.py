@@ -94,7 +94,7 @@ class Model:
         bounded = {k: v[:1024] if isinstance(v, str) else v for k, v in facts.items()}
         return ModelInfo(kind=t.kind[:64], vocab_size=t.vocab_size, special_tokens=specials,
                          chat_template=self.templates is not None, cached=self.cache.enabled,
-                         source=t.description[:1024], **bounded)
+                         source=t.description[:1024], backend=t.backend, **bounded)
 
     def describe(self) -> dict:
         t = self.tokenizer
@@ -102,6 +102,7 @@ class Model:
             "name": self.name,
             "aliases": list(self.spec.aliases),
             "kind": t.kind,
+            "backend": t.backend,
             "vocab_size": t.vocab_size,
             "special_tokens": sorted(t.special_tokens),
             "chat_template": self.templates is not None,
@@ -190,6 +191,20 @@ class ModelRegistry:
     @property
     def limits(self) -> Limits:
         return self._config.limits
+
+    @property
+    def backend_mode(self) -> str:
+        """--tokenizer-backend: auto, fast or reference (workers/engine.py)."""
+        return self._config.backend
+
+    def backends(self) -> dict[str, str]:
+        """Model name -> the library that encodes it now; heartbeats carry it, as the switch to the
+        fast engine comes after the model's LOADED."""
+        return {m.name: m.tokenizer.backend for m in self.models}
+
+    def holds(self, tokenizer: object) -> bool:
+        """Some loaded model is served by this very tokenizer object."""
+        return any(m.tokenizer is tokenizer for m in self.models)
 
     @property
     def default(self) -> Model:

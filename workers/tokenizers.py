@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import sys
+from array import array
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -31,6 +33,7 @@ HUB_PATTERNS = [
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
     "chat_template.json", "chat_template.jinja", "*.tiktoken", "tiktoken.model",
 ]
+_LITTLE = sys.byteorder == "little"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 # --- the protocol ---------------------------------------------------------------------------------
@@ -61,6 +64,19 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
 
+    def encode_u32(self, texts: list[str], *, add_special_tokens: bool = True) -> list[bytes]: ...
+
+    @property
+    def backend(self) -> str: ...
+
+
+def ids_to_u32(ids: list[int]) -> bytes:
+    """Little-endian uint32, whatever the host (the wire's `u32` and the fast engine's buffers)."""
+    a = array("I", ids)
+    if not _LITTLE:  # pragma: no cover
+        a.byteswap()
+    return a.tobytes()
+
 
 def check_ids(ids: list[int], vocab_size: int, unassigned: frozenset[int]) -> None:
     """Raise InvalidTokenId for the first id that names no token; C-speed when all are fine."""
@@ -83,9 +99,25 @@ class _Wrapped:
     tokenizer_config: dict
     description: str
     unassigned: frozenset[int] = frozenset()
+    # The fast engine (workers/engine.py) once it proved exact: encodes and decodes go through it.
+    # Set once, by the main thread, between two rounds of jobs; `raw` stays the reference.
+    fast: Any = None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.description}>"
+
+    @property
+    def backend(self) -> str:
+        """The library that encodes this tokenizer now (contract 1.2 `backend`)."""
+        return self.fast.name if self.fast is not None else self.reference_backend
+
+    def encode_u32(self, texts: list[str], *, add_special_tokens: bool = True) -> list[bytes]:
+        """Each text's ids as little-endian uint32 bytes: from the fast engine's flat buffer when it
+        serves (no Python int per id), else packed from the reference's lists."""
+        fast = self.fast
+        if fast is not None:
+            return fast.encode_u32(texts, add_special_tokens)
+        return [ids_to_u32(ids) for ids in self.encode_many(texts, add_special_tokens=add_special_tokens)]
 
 
 @dataclass(eq=False, repr=False)
@@ -93,17 +125,27 @@ class HuggingFaceTokenizer(_Wrapped):
     """A `tokenizers.Tokenizer` with truncation and padding off, as transformers uses it by default."""
 
     kind: str = field(default="huggingface", init=False)
+    reference_backend: str = field(default="tokenizers", init=False)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        fast = self.fast
+        if fast is not None:  # releases the GIL too
+            return fast.encode(text, add_special_tokens)
         # The batch call releases the GIL while it runs (`encode` holds it throughout): a long input
         # must not starve the worker's I/O thread, whose heartbeats keep the worker alive.
         return self.raw.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_many(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
         """One call for many texts, each encoded alone (as `encode` would), without the GIL."""
+        fast = self.fast
+        if fast is not None:
+            return fast.encode_many(texts, add_special_tokens)
         return [e.ids for e in self.raw.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        fast = self.fast
+        if fast is not None and (text := fast.decode(ids, skip_special_tokens)) is not None:
+            return text
         # `tokenizers` skips ids it has no token for, silently: check those (max and the gaps) first.
         # Negative and beyond-u32 ids make it raise OverflowError: only then look for the culprit.
         if ids and (max(ids) >= self.vocab_size or (self.unassigned and not self.unassigned.isdisjoint(ids))):
@@ -120,6 +162,7 @@ class TiktokenTokenizer(_Wrapped):
     """A `tiktoken.Encoding`; every special token is allowed in text, add_special_tokens changes nothing."""
 
     kind: str = field(default="tiktoken", init=False)
+    reference_backend: str = field(default="tiktoken", init=False)
     _special_texts: frozenset[str] = field(init=False)
     _special_ids: frozenset[int] = field(init=False)
 
@@ -128,15 +171,29 @@ class TiktokenTokenizer(_Wrapped):
         self._special_ids = frozenset(self.special_tokens.values())
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        fast = self.fast
+        if fast is not None:
+            return fast.encode(text, False)
         # Same as encode(text, allowed_special="all"), without recomputing the disallowed set per call.
         return self.raw.encode(text, allowed_special=self._special_texts, disallowed_special=())
 
     def encode_many(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        fast = self.fast
+        if fast is not None:
+            return fast.encode_many(texts, False)
         # tiktoken's own encode_batch fans out to a thread pool: one worker uses one core.
         encode, allowed = self.raw.encode, self._special_texts
         return [encode(t, allowed_special=allowed, disallowed_special=()) for t in texts]
 
+    def encode_ordinary(self, text: str) -> list[int]:
+        """The ids of `text` with no special token matched (L1's pieces between specials)."""
+        fast = self.fast
+        return fast.encode_ordinary(text) if fast is not None else self.raw.encode_ordinary(text)
+
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        fast = self.fast
+        if fast is not None and (text := fast.decode(ids, skip_special_tokens)) is not None:
+            return text
         kept = ids
         if skip_special_tokens and not self._special_ids.isdisjoint(ids):
             kept = [t for t in ids if t not in self._special_ids]

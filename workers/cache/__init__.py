@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tokenbroker.common.config import CacheConfig
 
+from ..tokenizers import ids_to_u32
 from .accounting import LayerStats
 from .l0 import L0Cache
 from .l1 import L1Cache
@@ -59,6 +60,30 @@ class TokenCache:
         if reason is None:
             self._l1 = L1Cache(self.tokenizer, seg, budget)
         return reason
+
+    def fast_engine_serves(self) -> None:
+        """The tokenizer is now served by its fast engine (workers/engine.py): L1 goes. Re-encoding
+        with fastokens costs less than L1's cutting, digests and copies (scripts/bench_engine, agent
+        traffic: 1.9x the CPU with L1 than with L0 alone), and what L1 held is freed. L0 stays."""
+        if self._l1 is not None:
+            self._l1 = None
+            self.l1_bypass_reason = "the fast engine (fastokens) re-encodes faster than L1 reuses prefixes"
+            log.info("tokenizer %s: L1 let go: %s", self.name or "?", self.l1_bypass_reason)
+
+    def encode_u32(self, text: str, add_special_tokens: bool = True) -> tuple[bytes, CacheOutcome]:
+        """`encode`'s ids as little-endian uint32 bytes: without L1, built and kept without an int
+        per id (the engine's packed buffer into L0, L0's array out)."""
+        if self._l1 is not None:
+            ids, outcome = self.encode(text, add_special_tokens)
+            return ids_to_u32(ids), outcome
+        if self._l0 is None:
+            return self.tokenizer.encode_u32([text], add_special_tokens=add_special_tokens)[0], OFF
+        packed = self._l0.get_u32(text, add_special_tokens)
+        if packed is not None:
+            return packed, CacheOutcome("hit", 0)
+        packed = self.tokenizer.encode_u32([text], add_special_tokens=add_special_tokens)[0]
+        self._l0.put_u32(text, add_special_tokens, packed)
+        return packed, CacheOutcome("miss", 0)
 
     @property
     def l1_active(self) -> bool:

@@ -16,6 +16,14 @@ from dataclasses import dataclass
 
 from .accounting import ENTRY_OVERHEAD, ID_TYPECODE, LayerStats
 
+_LITTLE = sys.byteorder == "little"
+
+
+def _swapped(ids: array) -> bytes:  # pragma: no cover - big-endian hosts only
+    copy = array(ID_TYPECODE, ids)
+    copy.byteswap()
+    return copy.tobytes()
+
 
 @dataclass(slots=True)
 class _Entry:
@@ -48,7 +56,29 @@ class L0Cache:
             ids = entry.ids
         return ids.tolist()
 
-    def put(self, text: str, add_special_tokens: bool, ids: list[int], stored: array | None = None) -> None:
+    def get_u32(self, text: str, add_special_tokens: bool) -> bytes | None:
+        """The cached ids as little-endian uint32 bytes (one copy, no int per id), or None (a miss)."""
+        key = (text, add_special_tokens)
+        with self._lock:
+            entry = self._map.get(key)
+            if entry is None:
+                self._stats.misses += 1
+                return None
+            self._map.move_to_end(key)
+            self._stats.hits += 1
+            self._stats.reused_bytes += entry.utf8_len
+            ids = entry.ids
+        return ids.tobytes() if _LITTLE else _swapped(ids)
+
+    def put_u32(self, text: str, add_special_tokens: bool, packed: bytes) -> None:
+        """Keep little-endian uint32 `packed` ids for `text`: copied into the store as they are."""
+        stored = array(ID_TYPECODE)
+        stored.frombytes(packed)
+        if not _LITTLE:  # pragma: no cover
+            stored.byteswap()
+        self.put(text, add_special_tokens, stored, stored)
+
+    def put(self, text: str, add_special_tokens: bool, ids: list[int] | array, stored: array | None = None) -> None:
         """Keep a copy of `ids` for `text`, evicting the least recently used entries to stay in bounds.
         `stored`, when given, holds the same ids and is handed over: kept as it is, not copied."""
         charge = sys.getsizeof(text) + 4 * len(ids) + ENTRY_OVERHEAD

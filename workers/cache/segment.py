@@ -185,7 +185,8 @@ class Segmenter:
         self._every_match_bounds = self._ids.keys() >= set(first) | set(second)
         # tiktoken encodes the text between specials on its own: when every special it knows is a
         # boundary, a piece is that text's ordinary encoding plus the special's id (no per-call set).
-        ordinary = getattr(tok.raw, "encode_ordinary", None)
+        # Through the wrapper, not the library: it goes to the fast engine once that serves.
+        ordinary = getattr(tok, "encode_ordinary", None) or getattr(tok.raw, "encode_ordinary", None)
         self._ordinary = ordinary if tok.kind == "tiktoken" and len(self._bounds) == len(first) else None
         self.head, self.tail = _learn_template(tok)
 

@@ -1,0 +1,182 @@
+"""The engine a worker chooses per model is exact: every choice against the reference library, on
+every tokenizer the tests ship, in all four cache modes, encode and decode; and a model whose probes
+fail is served by its reference library, which `models` says.
+
+In process: each tokenizer is loaded once and given the engine `--tokenizer-backend auto` chooses
+(tests/helpers.py served_tokenizer); hypothesis draws conversations and id sequences (bounded
+examples). End to end: a real broker and worker, the switch to fastokens in the background, and
+the `backend` field of `models`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import cache
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers import (BERT_DIR, LSTRIP_DIR, QWEN_TIKTOKEN, SP_LEGACY_DIR, free_port, scrape, series, served_tokenizer,
+                     serving, wait_until)
+from tokenbroker.common.config import EMBEDDED_DEFAULT, CacheConfig
+from tokenbroker.workers.cache import TokenCache
+from tokenbroker.workers.engine import build_fast, probe, speed_up
+from tokenbroker.workers.tokenizers import InvalidTokenId, ids_to_u32, load_tokenizer
+
+# source -> the engine auto must choose for it
+SHIPPED = {
+    EMBEDDED_DEFAULT: "fastokens",
+    str(QWEN_TIKTOKEN): "fastokens",
+    "o200k_base": "fastokens",
+    "cl100k_base": "fastokens",
+    "r50k_base": "fastokens",
+    "p50k_base": "tiktoken",  # fastokens refuses it: its ranks skip an id
+    str(BERT_DIR): "tokenizers",  # fastokens refuses BertNormalizer
+    str(LSTRIP_DIR / "tokenizer.json"): "fastokens",
+    str(SP_LEGACY_DIR / "tokenizer.json"): "tokenizers",  # loads, but its probes fail (byte-fallback decode)
+}
+MODES = {
+    "off": CacheConfig(),
+    "l0": CacheConfig(l0_enabled=True, l0_max_entries=64),
+    "l1": CacheConfig(l1_enabled=True, l1_max_memory=256 * 1024),
+    "both": CacheConfig(l0_enabled=True, l0_max_entries=64, l1_enabled=True, l1_max_memory=256 * 1024),
+}
+EXAMPLES = 12
+
+
+@cache
+def reference(source: str) -> Any:
+    """The same tokenizer on its reference library: the wrapper with no fast engine, sharing `raw`."""
+    return replace(served_tokenizer(source), fast=None)
+
+
+@cache
+def token_cache(source: str, mode: str) -> TokenCache:
+    return TokenCache(served_tokenizer(source), MODES[mode], name=source)
+
+
+def added_tokens(source: str) -> list[str]:
+    tok = served_tokenizer(source)
+    decoder = getattr(tok.raw, "get_added_tokens_decoder", None)
+    names = [a.content for a in decoder().values()] if decoder else list(tok.special_tokens)
+    return sorted(names)[:64] or ["<none>"]
+
+
+WORDS = ["hello", " world", "  ", "\n", "\t", "\r\n", "naïve", "日本語", "42", "don't", "🙂", "▁", "x", "ITEM", "<", "|>"]
+
+
+def conversations(source: str) -> st.SearchStrategy[list[str]]:
+    piece = st.one_of(st.sampled_from(added_tokens(source)), st.sampled_from(WORDS),
+                      st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=10))
+    return st.lists(st.lists(piece, min_size=1, max_size=8).map("".join), min_size=1, max_size=4)
+
+
+@pytest.mark.parametrize("source, backend", list(SHIPPED.items()), ids=lambda v: str(v).rsplit("/", 2)[-1])
+def test_auto_chooses_fastokens_exactly_where_it_is_proven(source: str, backend: str) -> None:
+    assert served_tokenizer(source).backend == backend
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("source", list(SHIPPED), ids=lambda v: v.rsplit("/", 2)[-1])
+def test_encode_through_caches_equals_the_reference_library(source: str, mode: str) -> None:
+    ref, cache_ = reference(source), token_cache(source, mode)
+
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+    @given(turns=conversations(source))
+    def run(turns: list[str]) -> None:
+        text = ""
+        for turn in turns:
+            text += turn
+            for flag in (True, False):
+                want = ref.encode(text, add_special_tokens=flag)
+                for _ in range(2):  # the second time may come from L0, or reuse L1's prefix
+                    assert cache_.encode(text, flag)[0] == want, (source, mode, flag, text)
+                    assert cache_.encode_u32(text, flag)[0] == ids_to_u32(want), (source, mode, flag, text)
+            assert served_tokenizer(source).encode_u32([text]) == reference(source).encode_u32([text])
+
+    run()
+
+
+@pytest.mark.parametrize("source", list(SHIPPED), ids=lambda v: v.rsplit("/", 2)[-1])
+def test_decode_equals_the_reference_library(source: str) -> None:
+    ours, ref = served_tokenizer(source), reference(source)
+    specials = sorted(ours.special_tokens.values())
+    ids = st.one_of(st.integers(0, ours.vocab_size - 1), st.sampled_from(specials or [0]))
+
+    @settings(max_examples=3 * EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+    @given(seq=st.lists(ids, max_size=48), skip=st.booleans())
+    def run(seq: list[int], skip: bool) -> None:
+        seq = [t for t in seq if t not in getattr(ours, "unassigned", ())]
+        assert ours.decode(seq, skip_special_tokens=skip) == ref.decode(seq, skip_special_tokens=skip)
+
+    run()
+    for bad in ([ours.vocab_size], [5, -1]):
+        with pytest.raises((InvalidTokenId, OverflowError)):
+            ours.decode(bad)
+
+
+def test_a_failed_probe_is_named_and_keeps_the_reference() -> None:
+    tok = load_tokenizer(str(SP_LEGACY_DIR / "tokenizer.json"))
+    fast = build_fast(tok)  # fastokens loads it...
+    failed = probe(tok, fast)  # ...but decodes its byte-fallback ids otherwise
+    assert failed is not None and failed.startswith("decode ")
+    engine, why = speed_up(tok, "auto")
+    assert engine is None and why == f"probe failed: {failed}"
+    forced, _ = speed_up(tok, "fast")  # --tokenizer-backend fast takes it unprobed
+    assert forced is not None
+    assert speed_up(tok, "reference") == (None, "--tokenizer-backend reference")
+
+
+def test_a_model_fastokens_refuses_says_why() -> None:
+    engine, why = speed_up(load_tokenizer(str(BERT_DIR)), "fast")
+    assert engine is None and "BertNormalizer" in (why or "")
+
+
+def _backends(conn) -> dict[str, str]:
+    return {m["name"]: m.get("backend") for m in conn.call("models")["models"]}
+
+
+def test_a_worker_serves_at_once_then_switches_to_fastokens_and_models_says_which() -> None:
+    """Auto: DeepSeek and the lstrip/rstrip BPE switch to fastokens in the background; the legacy
+    SentencePiece BPE (a probe fails) and BERT (refused) stay on tokenizers; ids never change."""
+    legacy, lstrip = str(SP_LEGACY_DIR / "tokenizer.json"), str(LSTRIP_DIR / "tokenizer.json")
+    with serving("--tokenizer-backend", "auto", "--metrics-port", str(free_port()),
+                 "--model-path", EMBEDDED_DEFAULT, "--model", f"legacy={legacy}", "--model", f"lstrip={lstrip}",
+                 "--model", f"bert={BERT_DIR}", "--tokenizer-cache-enable-l0", "--tokenizer-cache-enable-l1") as (broker, conn):
+        text = "<｜User｜>hello  world<｜Assistant｜>" * 3
+        want = reference(EMBEDDED_DEFAULT).encode(text)
+        assert conn.call("tokenize", text=text)["tokens"] == want  # served before any switch
+        def switched() -> dict | None:
+            b = _backends(conn)
+            return b if b["deepseek"] == b["lstrip"] == "fastokens" else None
+
+        backends = wait_until(switched, timeout=120, what="the switch to fastokens")
+        assert backends["legacy"] == "tokenizers" and backends["bert"] == "tokenizers"
+        assert conn.call("tokenize", text=text)["tokens"] == want  # the same ids, from L0
+        assert conn.call("tokenize", text=text + " more")["tokens"] == reference(EMBEDDED_DEFAULT).encode(text + " more")
+        for name, source in (("legacy", legacy), ("lstrip", lstrip)):
+            t = "<|user|>  hi <|end|>  ITEM <w>  <nl> x"
+            assert conn.call("tokenize", model=name, text=t)["tokens"] == reference(source).encode(t)
+        ids = reference(EMBEDDED_DEFAULT).encode("Bonjour, le monde ! 🙂")
+        assert conn.call("detokenize", tokens=ids)["text"] == "Bonjour, le monde ! 🙂"
+        assert broker.logged("fastokens differs from tokenizers on probe: decode")
+        assert broker.logged("now served by fastokens")
+        assert broker.logged("L1 let go: the fast engine")
+        def engines() -> dict | None:
+            e = {dict(labels)["model"]: dict(labels)["backend"]
+                 for labels, n in series(scrape(broker.metrics), "tokenbroker_model_engines").items() if n == 1}
+            return e if e.get("deepseek") == "fastokens" else None
+
+        assert wait_until(engines, what="the engines gauge")["bert"] == "tokenizers"
+        for fmt in ("u32", "list"):  # after the switch: L0 hit, L0 miss, in both formats
+            for t in (text, text + " again"):
+                reply = conn.call("tokenize", text=t, tokens_format=fmt)
+                got = reply["tokens"] if fmt == "list" else list(memoryview(reply["tokens"]).cast("I"))
+                assert got == reference(EMBEDDED_DEFAULT).encode(t) and reply["count"] == len(got)
+
+
+def test_the_reference_backend_flag_keeps_every_model_on_its_library() -> None:
+    with serving("--tokenizer-backend", "reference", "--model-path", EMBEDDED_DEFAULT, "--model", "o200k=o200k_base") as (_, conn):
+        assert _backends(conn) == {"deepseek": "tokenizers", "o200k": "tiktoken"}

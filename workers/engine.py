@@ -1,0 +1,303 @@
+"""The fast engine of a model: fastokens, built beside the reference library and taken only once proven exact.
+
+A loaded tokenizer (workers/tokenizers.py) always keeps its reference library object (`tokenizers`
+or `tiktoken`): the fingerprint, the stream decoder and L1's checks read it. `fastokens` encodes the
+same tokenizer.json or tiktoken ranks 10-50x faster, but it is another implementation, so it serves
+a model only when `probe` finds it gives the reference's ids and text on a battery of inputs chosen
+where two implementations part: every added token alone, at the start, middle and end of a text and
+next to another, with both `add_special_tokens`; the edge strings the tests use; random unicode,
+whitespace runs and long repeats; decodes of random id sequences with and without skipping specials.
+One differing result and the model stays on the reference, with one log line naming the probe.
+
+The worker serves with the reference as soon as that is loaded, then builds and probes the fast
+engine off the main thread (workers/loader.py) and switches by setting one attribute: ids are the
+same, so caches stay valid and the fingerprint (which names the tokenizer, not its engine) holds.
+
+>>> tok = load_tokenizer("o200k_base")  # doctest: +SKIP
+>>> fast, why = speed_up(tok, "auto")  # doctest: +SKIP
+>>> fast.name, why  # doctest: +SKIP
+('fastokens', None)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+import tempfile
+import time
+from array import array
+from base64 import b64encode
+from dataclasses import dataclass
+from typing import Any
+
+from .tokenizers import InvalidTokenId, Tokenizer, check_ids
+
+log = logging.getLogger(__name__)
+
+FASTOKENS = "fastokens"
+# fastokens' decode holds the GIL (its encode does not): a longer sequence goes to the reference,
+# which releases it, so the heartbeat thread is never held up for more than a few milliseconds.
+FAST_DECODE_MAX_IDS = 16384
+_LITTLE = sys.byteorder == "little"
+
+
+class EngineUnavailable(Exception):
+    """fastokens is not installed, or refuses this tokenizer (an unsupported normalizer, say)."""
+
+
+# --- the engine --------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class FastEngine:
+    """A `fastokens.Tokenizer` behind the wrapper's own encode/decode signatures and id checks.
+
+    `tiktoken`: built from tiktoken ranks (no post-processor, specials matched in text; decoding
+    stays with tiktoken, which is faster); otherwise tokenizer.json's.
+    """
+
+    raw: Any
+    vocab_size: int
+    unassigned: frozenset[int]
+    tiktoken: bool
+    name: str = FASTOKENS
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self.raw.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def encode_u32(self, texts: list[str], add_special_tokens: bool = True) -> list[bytes]:
+        """Each text's ids as little-endian uint32 bytes, cut from one flat buffer: no int per id."""
+        flat, offsets = self.raw.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
+        ends = array("Q")
+        ends.frombytes(offsets)
+        if not _LITTLE:  # pragma: no cover - the buffers are little-endian whatever the host
+            ends.byteswap()
+        view = memoryview(flat)
+        return [bytes(view[4 * ends[i]:4 * ends[i + 1]]) for i in range(len(texts))]
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self.raw.encode_ordinary(text).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str | None:
+        """The text of `ids`, or None when the reference decodes it: always for tiktoken (faster),
+        and a sequence too long to hold the GIL for."""
+        if self.tiktoken or len(ids) > FAST_DECODE_MAX_IDS:
+            return None  # tiktoken's own decode is faster than fastokens' (scripts/bench_engine: 2x)
+        if ids:
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= self.vocab_size or (self.unassigned and not self.unassigned.isdisjoint(ids)):
+                check_ids(ids, self.vocab_size, self.unassigned)  # raises InvalidTokenId
+        return self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def build_fast(tok: Tokenizer) -> FastEngine:
+    """fastokens for `tok`'s own tokenizer, from what the reference holds (so both read the same
+    definition); EngineUnavailable says why not. Its caches are set here: the segment cache off
+    (L0 and L1 hold what it would, see docs/sizing.md), whatever FASTOKENS_SEGMENT_CACHE says."""
+    try:
+        import fastokens
+    except ImportError as e:
+        raise EngineUnavailable("fastokens is not installed") from e
+    try:
+        if tok.kind == "huggingface":
+            raw = fastokens.Tokenizer.from_json_str(tok.raw.to_str())
+            raw.no_truncation()
+            raw.no_padding()
+        elif tok.kind == "tiktoken":
+            raw = _from_encoding(fastokens, tok.raw)
+        else:
+            raise EngineUnavailable(f"no fast engine for a {tok.kind} tokenizer")
+        raw.enable_segment_cache(0)
+    except EngineUnavailable:
+        raise
+    except Exception as e:  # ValueError from fastokens: "unsupported normalizer type: BertNormalizer", ...
+        raise EngineUnavailable(f"fastokens refuses it: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}") from e
+    return FastEngine(raw=raw, vocab_size=tok.vocab_size, unassigned=getattr(tok, "unassigned", frozenset()),
+                      tiktoken=tok.kind == "tiktoken")
+
+
+def _from_encoding(fastokens: Any, enc: Any) -> Any:
+    """A tiktoken.Encoding's ranks, pattern and specials, as fastokens reads them: a rank file
+    written from the encoding itself, so any encoding works, named or built from a file."""
+    ranks = getattr(enc, "_mergeable_ranks", None)
+    if not isinstance(ranks, dict):
+        raise EngineUnavailable("this tiktoken Encoding does not expose its ranks")
+    lines = b"".join(b64encode(token) + b" " + str(rank).encode() + b"\n"
+                     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]))
+    fd, path = tempfile.mkstemp(prefix="tokenbroker-ranks-", suffix=".tiktoken")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(lines)
+        return fastokens.Tokenizer.from_tiktoken(path, pattern=enc._pat_str, special_tokens=dict(enc._special_tokens))
+    finally:
+        os.unlink(path)
+
+
+# --- the probes -------------------------------------------------------------------------------------
+
+# Inputs where tokenizers have parted before: empty and one-character texts, spaces at the edges and
+# before newlines, CRLF, tabs, contractions, digits, combining marks, ZWJ emoji, RTL, CJK, the
+# SentencePiece marker, lone surrogate-free astral characters, control characters.
+EDGE_STRINGS = (
+    "", " ", "  ", "a", "A", "\n", "\r\n", "\t", " \n", "\n ", "hello world", " hello", "hello ",
+    "Hello, World! 123\n", "don't I'll we've they're it's", "1234567890 3.14159 1e-9 0x1F",
+    "e\u0301 \u00e9 \u0041\u030a", "👨‍👩‍👧‍👦 🇫🇷 👍🏽", "مرحبا بالعالم", "שלום", "日本語のテキスト", "中文分词测试",
+    "한국어 텍스트", "\u2581hello\u2581world", "\x00\x01\x1f\x7f", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𐍈", "   leading and trailing   ",
+    "tabs\tand\ttabs\t\t", "line\n\nbreaks\n\n\n", "a\u00a0b\u2009c\u200bd", "<s></s><unk>[CLS][SEP]",
+    "<|endoftext|>", "<|im_start|>user\nhi<|im_end|>", "def f(x):\n    return x ** 2\n", "{\"key\": [1, 2, null]}",
+    "ÀÉÎÕÜ àéîõü ßẞ ǅ", "İstanbul ıi", "ﬁ ﬂ ㎏ ① Ⅻ", "x" * 3 + " " * 3 + "y" * 3,
+)
+RANDOM_SEED = 21  # the probes are the same at every load: a failure is reproducible
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe input: what it tests (for the log line) and the text."""
+
+    what: str
+    text: str
+
+
+def probe_texts(tok: Tokenizer, rng: random.Random, *, max_added: int = 2048) -> list[Probe]:
+    """The encode battery for `tok`: its added tokens in every position, edge strings, noise."""
+    added = _added_tokens(tok)[:max_added]
+    probes = [Probe("edge string", s) for s in EDGE_STRINGS]
+    for i, t in enumerate(added):
+        u = added[(i + 1) % len(added)]
+        probes += [Probe("added token alone", t), Probe("added token at the start", f"{t}hello world"),
+                   Probe("added token in the middle", f"hello{t}world"), Probe("added token at the end", f"hello world{t}"),
+                   Probe("added token between spaces", f"a  {t}  b"), Probe("added tokens adjacent", f"{t}{u}"),
+                   Probe("added tokens on lines", f"\n{t}\n{u} x\n")]
+    for n in (1, 2, 3, 5, 8, 17, 64, 257, 1000):
+        for run in (" ", "\n", "\t", " \n", "\r\n", "\u3000"):
+            probes.append(Probe("whitespace run", f"x{run * n}y"))
+        probes.append(Probe("whitespace run", " " * n))
+    for unit in ("a", "ab", "aaaab", "的", "1", "12", "🙂", ". ", "-\n", "’s "):
+        probes.append(Probe("long repeat", unit * (2048 // len(unit))))
+    for _ in range(96):
+        probes.append(Probe("random unicode", _random_text(rng, rng.randint(1, 48))))
+    return probes
+
+
+def _added_tokens(tok: Tokenizer) -> list[str]:
+    decoder = getattr(tok.raw, "get_added_tokens_decoder", None)
+    if decoder is not None:
+        return [a.content for _, a in sorted(decoder().items())]
+    return sorted(tok.special_tokens)
+
+
+def _random_text(rng: random.Random, n: int) -> str:
+    """Code points from every plane that matters, surrogates excluded (a wire string cannot hold one)."""
+    ranges = ((0x20, 0x7E), (0x00, 0x1F), (0xA0, 0x2FF), (0x300, 0x36F), (0x370, 0x10FF), (0x2000, 0x2BFF),
+              (0x3000, 0x9FFF), (0xAC00, 0xD7A3), (0xE000, 0xFFFD), (0x10000, 0x1FAFF), (0x20000, 0x2A6DF))
+    out = []
+    for _ in range(n):
+        lo, hi = ranges[rng.randrange(len(ranges))]
+        out.append(chr(rng.randint(lo, hi)))
+    return "".join(out)
+
+
+def probe(tok: Tokenizer, fast: FastEngine, *, seed: int = RANDOM_SEED) -> str | None:
+    """What differs between `fast` and the reference of `tok` on the battery, or None when nothing does.
+
+    Runs with `tok` still on its reference (its `fast` unset): the reference side is `tok` itself.
+    """
+    rng = random.Random(seed)
+    probes = probe_texts(tok, rng)
+    texts = [p.text for p in probes]
+    reference_ids: dict[bool, list[list[int]]] = {}
+    for flag in (True, False):
+        want = tok.encode_many(texts, add_special_tokens=flag)
+        reference_ids[flag] = want
+        got = fast.encode_many(texts, add_special_tokens=flag)
+        for p, w, g in zip(probes, want, got):
+            if w != g:
+                return f"encode {p.what} {p.text[:60]!r} (add_special_tokens={flag})"
+        packed = fast.encode_u32(texts, add_special_tokens=flag)
+        if any(b != _u32(w) for b, w in zip(packed, want)):
+            return f"encode_batch_flat (add_special_tokens={flag})"
+    if tok.kind == "tiktoken":
+        for p in probes[:: max(1, len(probes) // 256)]:
+            if tok.raw.encode_ordinary(p.text) != fast.encode_ordinary(p.text):
+                return f"encode_ordinary {p.what} {p.text[:60]!r}"
+    sequences = [ids for ids in reference_ids[True] if ids][:: max(1, len(probes) // 256)]
+    sequences += _random_ids(tok, rng, 160)
+    for skip in (True, False):
+        for ids in sequences:
+            got = _decode_or_error(fast, ids, skip)
+            if got is not None and got != _decode_or_error(tok, ids, skip):
+                return f"decode {ids[:12]}{'...' if len(ids) > 12 else ''} (skip_special_tokens={skip})"
+    return None
+
+
+def _u32(ids: list[int]) -> bytes:
+    a = array("I", ids)
+    if not _LITTLE:  # pragma: no cover
+        a.byteswap()
+    return a.tobytes()
+
+
+def _random_ids(tok: Tokenizer, rng: random.Random, n: int) -> list[list[int]]:
+    """Random valid id sequences, with the specials and the ids just below the vocabulary's end mixed in."""
+    unassigned = getattr(tok, "unassigned", frozenset())
+    pool = sorted(tok.special_tokens.values()) + [i for i in range(max(0, tok.vocab_size - 64), tok.vocab_size)]
+    out = []
+    for _ in range(n):
+        seq = []
+        for _ in range(rng.randint(1, 40)):
+            t = rng.choice(pool) if rng.random() < 0.15 else rng.randrange(tok.vocab_size)
+            if t not in unassigned:
+                seq.append(t)
+        out.append(seq)
+    return out
+
+
+def _decode_or_error(engine: Any, ids: list[int], skip: bool) -> str | None:
+    """The text, the error, or None: this engine leaves the sequence to the reference."""
+    try:
+        return engine.decode(ids, skip_special_tokens=skip)
+    except InvalidTokenId as e:
+        return f"InvalidTokenId({e.index}, {e.token_id})"
+
+
+# --- the choice --------------------------------------------------------------------------------------
+
+
+def speed_up(tok: Tokenizer, mode: str, *, name: str = "") -> tuple[FastEngine | None, str | None]:
+    """(the fast engine to serve `tok` with, or None; why not, when not). Slow: runs off the main thread.
+
+    `auto` takes fastokens when every probe matches; `fast` takes it whenever it loads, unprobed;
+    `reference` never builds it. One log line says what was chosen and what it cost.
+    """
+    if mode == "reference":
+        return None, "--tokenizer-backend reference"
+    label = name or tok.description
+    start = time.monotonic()
+    try:
+        fast = build_fast(tok)
+    except EngineUnavailable as e:
+        log.info("model %s: served by %s: %s", label, tok.backend, e)
+        return None, str(e)
+    built = time.monotonic() - start
+    if mode == "fast":
+        log.info("model %s: fastokens (forced, unprobed), built in %.2fs", label, built)
+        return fast, None
+    failed = probe(tok, fast)
+    probed = time.monotonic() - start - built
+    if failed is not None:
+        log.warning("model %s: fastokens differs from %s on probe: %s; served by %s", label, tok.backend, failed, tok.backend)
+        return None, f"probe failed: {failed}"
+    log.info("model %s: fastokens passed its probes, built in %.2fs, probed in %.2fs", label, built, probed)
+    return fast, None
+
+
+def choose(tok: Tokenizer, mode: str, *, name: str = "") -> Tokenizer:
+    """`tok` served by the engine `mode` picks, at once (in-process use: tests, benchmarks); a worker
+    does the same in its loader thread and switches between rounds."""
+    tok.fast, _ = speed_up(tok, mode, name=name)
+    return tok
