@@ -50,7 +50,7 @@ class Job:
     job_id: int
     envelope: Envelope
     raw_id: bytes  # the id's MessagePack bytes, echoed as they came
-    raw: bytes
+    raw: "bytes | memoryview"  # the request's bytes (a view of its frame when it came in an array)
     op: str
     route: RouteKey | None
     received: float

@@ -177,6 +177,55 @@ class Envelope:
 NIL = b"\xc0"  # MessagePack nil
 
 
+@dataclass(frozen=True, slots=True)
+class CommonFields:
+    """The fields every request shares, checked: what the broker routes by and the worker reads."""
+
+    op: str
+    model: str | None
+    deadline_ms: int | None
+    affinity: str | None
+    tokens_format: str
+
+
+def common_fields(fields: dict) -> CommonFields:
+    """Check the common fields of a request (docs/protocol.md "Request fields common to every op").
+
+    The one check both sides run: the broker on the fields it peeked, the worker on the map it
+    decoded. ProtocolError names the field.
+
+    >>> common_fields({"op": "tokenize", "deadline_ms": 2**40}).deadline_ms == MAX_DEADLINE_MS
+    True
+    """
+    op = fields.get("op")
+    if op is None:
+        raise ProtocolError("bad_request", "field 'op' is required")
+    if type(op) is not str:
+        raise ProtocolError("bad_request", f"field 'op' must be str, got {type_name(op)}")
+    if op not in OPS:
+        raise ProtocolError("unknown_op", f"field 'op' is {op!r}; expected one of {', '.join(sorted(OPS))}")
+    deadline_ms = fields.get("deadline_ms")
+    if deadline_ms is not None:
+        if type(deadline_ms) is not int:
+            raise ProtocolError("bad_request", f"field 'deadline_ms' must be int, got {type_name(deadline_ms)}")
+        if deadline_ms <= 0:
+            raise ProtocolError("bad_request", f"field 'deadline_ms' must be an int > 0, got {deadline_ms}")
+        deadline_ms = min(deadline_ms, MAX_DEADLINE_MS)
+    tokens_format = fields.get("tokens_format")
+    if tokens_format is None:
+        tokens_format = "list"
+    elif type(tokens_format) is not str:
+        raise ProtocolError("bad_request", f"field 'tokens_format' must be str, got {type_name(tokens_format)}")
+    elif tokens_format not in TOKENS_FORMATS:
+        raise ProtocolError("bad_request", f"field 'tokens_format' must be \"list\" or \"u32\", got {tokens_format!r}")
+    model, affinity = fields.get("model"), fields.get("affinity")
+    if model is not None and type(model) is not str:
+        raise ProtocolError("bad_request", f"field 'model' must be str, got {type_name(model)}")
+    if affinity is not None and type(affinity) is not str:
+        raise ProtocolError("bad_request", f"field 'affinity' must be str, got {type_name(affinity)}")
+    return CommonFields(op, model, deadline_ms, affinity, tokens_format)
+
+
 @dataclass(frozen=True)
 class Request:
     """The common fields of a client request, validated; `payload` keeps the whole map."""
@@ -192,6 +241,25 @@ class Request:
 
 
 _CONTAINER_TYPES = frozenset(range(0x80, 0xA0)) | {0xDC, 0xDD, 0xDE, 0xDF}  # fixmap, fixarray, array/map 16/32
+_SCALAR_IDS = frozenset(range(0x00, 0x80)) | frozenset(range(0xE0, 0x100)) | frozenset(range(0xCA, 0xD4)) | {
+    0xC0, 0xC2, 0xC3, 0xC4, 0xC5, 0xC6}  # ints, nil, bools, floats, bins: valid as they are
+_STR_IDS = frozenset(range(0xA0, 0xC0)) | {0xD9, 0xDA, 0xDB}
+
+
+def id_problem(raw_id: bytes) -> str | None:
+    """Why an `id` value (its MessagePack bytes) may not be echoed, or None. Read from its first
+    byte; only a str is decoded (it must be valid UTF-8)."""
+    b = raw_id[0]
+    if b in _SCALAR_IDS:
+        return None
+    if b in _STR_IDS:
+        try:
+            msgpack.unpackb(raw_id, raw=False)
+        except UnicodeDecodeError as e:
+            return f"payload holds a str that is not valid UTF-8: {e.reason}"
+        return None
+    kind = "list" if b in (0xDC, 0xDD) or 0x90 <= b <= 0x9F else "map" if b in _CONTAINER_TYPES else "ext"
+    return f"field 'id' must be nil, bool, int, float, str or bin, got {kind}"
 
 
 def raw_id(data: bytes) -> bytes:
@@ -209,44 +277,39 @@ def raw_id(data: bytes) -> bytes:
             start = unpacker.tell()
             unpacker.skip()
             value = data[start:unpacker.tell()]
-            if value[0] in _CONTAINER_TYPES:
-                return NIL
-            msgpack.unpackb(value, raw=False)  # a str id must be valid UTF-8 to be echoed
-            return value
+            return NIL if id_problem(value) is not None else value
     except Exception:
         return NIL
     return NIL
 
 
 def parse_request(data: bytes) -> Request:
+    """A client payload as the worker serves it: decoded once (in C), the common fields checked
+    by `common_fields`, the id's bytes found without walking the payload again (`_echo_id`)."""
     payload = unpack(data)
     if not isinstance(payload, dict):
         raise ProtocolError("bad_request", f"payload must be a map, got {type_name(payload)}")
-    if any(not isinstance(k, str) for k in payload):
-        raise ProtocolError("bad_request", "payload map keys must be str")
-    if isinstance(payload.get("id"), (list, dict)):
-        raise ProtocolError("bad_request", f"field 'id' must be nil, bool, int, float, str or bin, got {type_name(payload['id'])}")
-    op = req(payload, "op", str)
-    if op not in OPS:
-        raise ProtocolError("unknown_op", f"field 'op' is {op!r}; expected one of {', '.join(sorted(OPS))}")
-    deadline_ms = opt(payload, "deadline_ms", int, None)
-    if deadline_ms is not None and deadline_ms <= 0:
-        raise ProtocolError("bad_request", f"field 'deadline_ms' must be an int > 0, got {deadline_ms}")
-    if deadline_ms is not None:
-        deadline_ms = min(deadline_ms, MAX_DEADLINE_MS)
-    tokens_format = opt(payload, "tokens_format", str, "list")
-    if tokens_format not in TOKENS_FORMATS:
-        raise ProtocolError("bad_request", f"field 'tokens_format' must be \"list\" or \"u32\", got {tokens_format!r}")
-    return Request(
-        id=payload.get("id"),
-        raw_id=raw_id(data),
-        op=op,
-        model=opt(payload, "model", str, None),
-        deadline_ms=deadline_ms,
-        affinity=opt(payload, "affinity", str, None),
-        tokens_format=tokens_format,
-        payload=payload,
-    )
+    for k in payload:
+        if type(k) is not str:
+            raise ProtocolError("bad_request", "payload map keys must be str")
+    rid = payload.get("id")
+    if isinstance(rid, (list, dict)):
+        raise ProtocolError("bad_request", f"field 'id' must be nil, bool, int, float, str or bin, got {type_name(rid)}")
+    common = common_fields(payload)
+    return Request(id=rid, raw_id=_echo_id(data, rid), op=common.op, model=common.model,
+                   deadline_ms=common.deadline_ms, affinity=common.affinity, tokens_format=common.tokens_format,
+                   payload=payload)
+
+
+def _echo_id(data: bytes, rid: Any) -> bytes:
+    """The id's bytes as the client sent them. Clients encode an id in its shortest form (every
+    MessagePack library does), so packing the decoded value again gives those bytes: checked by
+    finding `"id"` followed by them in the payload (a C scan). When they are not there (a float32,
+    a wider int than needed), the payload is walked for them (`raw_id`)."""
+    if rid is None:
+        return NIL
+    packed = msgpack.packb(rid, use_bin_type=True)
+    return packed if b"\xa2id" + packed in data else raw_id(data)
 
 
 LOGGED_ID_BYTES = 64  # a request id in a log line is cut to this many bytes
