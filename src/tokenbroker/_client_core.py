@@ -12,6 +12,11 @@ answers it itself); silent for the whole window, it is left: its socket is close
 again (so stale replies and queued requests die with it), its outstanding calls are re-sent to
 another live broker (every op is idempotent), and it is probed until it answers again.
 `overloaded` replies are retried with full-jitter exponential backoff while the deadline allows.
+
+Coalescing (contract 1.2): the calls of one event-loop turn are held on their link and leave
+together when the turn ends (`loop.call_soon`), as one frame holding a MessagePack array of
+their maps (a lone call as its map). The broker answers such a connection with arrays of reply
+maps, decoded here in one `unpackb`; each reply still settles its own call by id.
 """
 
 from __future__ import annotations
