@@ -15,7 +15,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # of the broker<->worker frames: 2 carries a batch's payloads in one frame
 
 OPS = frozenset({"tokenize", "detokenize", "chat", "count", "models", "ping", "detokenize_stream",
                  "add_model", "remove_model"})
@@ -29,9 +29,9 @@ TOKENS_FORMATS = frozenset({"list", "u32"})
 # fixed-size binary records, so neither side builds a Python object per job to frame it.
 W_READY = b"R"  # [R, msgpack(Ready)]
 W_HEARTBEAT = b"H"  # [H, msgpack(stats)]
-W_RESULTS = b"D"  # [D, RESULT * n, reply payload * n]: replies go to the clients as they are
+W_RESULTS = b"D"  # [D, RESULT * n, the n reply payloads concatenated]: replies go to the clients as they are
 W_BYE = b"B"  # [B]: the worker leaves on purpose (SIGTERM); it finishes what it holds, takes nothing new
-B_JOBS = b"J"  # [J, JOB * n, client payload * n]
+B_JOBS = b"J"  # [J, JOB * n, the n client payloads concatenated]
 B_HEARTBEAT = b"h"  # [h]
 B_RESET = b"r"  # [r]: "I do not know you" (the broker forgot a silent worker): say READY again
 # The model catalog (1.1): the broker decides which worker holds which model; a worker loads in
@@ -43,8 +43,8 @@ W_LOADED = b"L"  # [L, msgpack(Loaded)]: a load finished, or failed
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_LIVENESS = 5  # a worker silent for interval * liveness is gone
 
-JOB = struct.Struct("<QI")  # job id, budget in ms (the time left of the request's deadline)
-RESULT = struct.Struct("<QB")  # job id, outcome (an index into OUTCOMES)
+JOB = struct.Struct("<QII")  # job id, budget in ms (the time left of the request's deadline), payload bytes
+RESULT = struct.Struct("<QBI")  # job id, outcome (an index into OUTCOMES), reply bytes
 
 # What a worker says of each job, so the broker counts outcomes without decoding replies. A
 # worker's byte is an index here; anything else reads as "internal", so no peer can invent labels.
@@ -63,46 +63,69 @@ MAX_NAME_CHARS = 128  # a worker's name, as shown in replies and metric labels
 MAX_DEADLINE_MS = 2**31 - 1
 
 
-def pack_jobs(jobs: list[tuple[int, int, bytes]]) -> list[bytes]:
-    """A B_JOBS message for (job id, budget ms, payload) triples.
+def pack_jobs(jobs: "list[tuple[int, int, bytes | memoryview]]") -> list[bytes]:
+    """A B_JOBS message for (job id, budget ms, payload) triples: three frames however many jobs
+    (a frame costs a send and a receive on each side; bytes are cheap to join). A lone payload is
+    its own frame, so a large one goes without being copied.
 
     >>> frames = pack_jobs([(7, 100, b"a"), (8, 200, b"bc")])
-    >>> unpack_jobs(frames[1:])
-    [(7, 100, b'a'), (8, 200, b'bc')]
+    >>> len(frames), unpack_jobs(frames[1:])
+    (3, [(7, 100, b'a'), (8, 200, b'bc')])
     """
-    header = b"".join(JOB.pack(job_id, budget) for job_id, budget, _ in jobs)
-    return [B_JOBS, header, *(payload for _, _, payload in jobs)]
+    header = b"".join([JOB.pack(job_id, budget, len(payload)) for job_id, budget, payload in jobs])
+    blob = jobs[0][2] if len(jobs) == 1 else b"".join([payload for _, _, payload in jobs])
+    return [B_JOBS, header, blob]
 
 
 def unpack_jobs(body: list[bytes]) -> list[tuple[int, int, bytes]]:
-    """The jobs of a B_JOBS body; ValueError when the header and the payload count disagree."""
-    header, payloads = body[0] if body else b"", body[1:]
-    if len(header) != JOB.size * len(payloads) or not payloads:
-        raise ValueError(f"a job batch of {len(payloads)} payloads has a {len(header)}-byte header")
-    return [(*JOB.unpack_from(header, i * JOB.size), payload) for i, payload in enumerate(payloads)]
+    """The jobs of a B_JOBS body; ValueError when the header and the payloads disagree."""
+    records = _records(body, JOB, "job")
+    blob = body[1]
+    if len(records) == 1:
+        job_id, budget, _ = records[0]
+        return [(job_id, budget, blob)]
+    out, at = [], 0
+    for job_id, budget, size in records:
+        out.append((job_id, budget, blob[at:at + size]))
+        at += size
+    return out
 
 
 def pack_results(results: list[tuple[bytes, str, bytes]]) -> list[bytes]:
-    """A W_RESULTS message for (job id as received, outcome, reply payload) triples."""
-    header = b"".join(RESULT.pack(job_id, OUTCOME_INDEX.get(outcome, OUTCOME_INDEX["internal"]))
-                      for job_id, outcome, _ in results)
-    return [W_RESULTS, header, *(payload for _, _, payload in results)]
+    """A W_RESULTS message for (job id as received, outcome, reply payload) triples: three frames."""
+    index, internal = OUTCOME_INDEX, OUTCOME_INDEX["internal"]
+    header = b"".join([RESULT.pack(job_id, index.get(outcome, internal), len(payload)) for job_id, outcome, payload in results])
+    blob = results[0][2] if len(results) == 1 else b"".join([payload for _, _, payload in results])
+    return [W_RESULTS, header, blob]
 
 
-def unpack_results(body: list[bytes]) -> list[tuple[int, str, bytes]]:
-    """The results of a W_RESULTS body; ValueError when it is malformed. Unknown outcomes read "internal".
+def unpack_results(body: list[bytes]) -> "list[tuple[int, str, memoryview]]":
+    """The results of a W_RESULTS body, each reply a view of the frame (the broker forwards replies
+    without copying them); ValueError when it is malformed. Unknown outcomes read "internal".
 
-    >>> unpack_results(pack_results([(3, "ok", b"r"), (4, "nonsense", b"s")])[1:])
+    >>> [(i, o, bytes(p)) for i, o, p in unpack_results(pack_results([(3, "ok", b"r"), (4, "nonsense", b"s")])[1:])]
     [(3, 'ok', b'r'), (4, 'internal', b's')]
     """
-    header, payloads = body[0] if body else b"", body[1:]
-    if len(header) != RESULT.size * len(payloads) or not payloads:
-        raise ValueError(f"a result batch of {len(payloads)} payloads has a {len(header)}-byte header")
-    out = []
-    for i, payload in enumerate(payloads):
-        job_id, code = RESULT.unpack_from(header, i * RESULT.size)
-        out.append((job_id, OUTCOMES[code] if code < len(OUTCOMES) else "internal", payload))
+    records = _records(body, RESULT, "result")
+    view = memoryview(body[1])
+    out, at, n = [], 0, len(OUTCOMES)
+    for job_id, code, size in records:
+        out.append((job_id, OUTCOMES[code] if code < n else "internal", view[at:at + size]))
+        at += size
     return out
+
+
+def _records(body: list[bytes], record: struct.Struct, what: str) -> list[tuple]:
+    """The fixed-size records of a batch header, checked against the payload bytes that follow."""
+    if len(body) != 2:
+        raise ValueError(f"a {what} batch must be a header and one payload frame, got {len(body)} frames")
+    header, blob = body
+    if not header or len(header) % record.size:
+        raise ValueError(f"a {what} batch header of {len(header)} bytes is not a whole number of {record.size}-byte records")
+    records = list(record.iter_unpack(header))
+    if sum(r[-1] for r in records) != len(blob):
+        raise ValueError(f"a {what} batch's records count {sum(r[-1] for r in records)} payload bytes, its frame has {len(blob)}")
+    return records
 
 
 def pack(obj: Any) -> bytes:
