@@ -362,7 +362,7 @@ class Frontend:
             send(envelope.identity, _NOBLOCK_MORE)
             if envelope.delimited:
                 send(b"", _NOBLOCK_MORE)
-            send(payload, _NOBLOCK)
+            send(payload, _NOBLOCK, copy=False)  # a reply of 64 KiB or more leaves without a copy
         except zmq.ZMQError:  # the client is gone (a ROUTER drops what a full queue cannot take): never block the loop
             pass
 

@@ -52,11 +52,11 @@ class BootFailed(Exception):
     """A local worker could not load its tokenizers: the broker must not start."""
 
 
-class Broker:
-    on_hangup: Callable[[], None] = staticmethod(lambda: None)  # broker/security.py's reload, set by main
-    # Who may use the admin ops, from a message's CURVE key and address (broker/security.py's admin_gate).
-    is_admin: Callable[[str | None, str | None], bool] = staticmethod(lambda user_id, address: True)
+def _everyone(user_id: str | None, address: str | None) -> bool:
+    return True
 
+
+class Broker:
     def __init__(
         self,
         config: BrokerConfig,
@@ -65,7 +65,14 @@ class Broker:
         supervisor: Supervisor,
         metrics: PoolMetrics,
         wakeup: socket.socket,
+        *,
+        on_hangup: Callable[[], None] = lambda: None,
+        is_admin: Callable[[str | None, str | None], bool] = _everyone,
     ) -> None:
+        """`on_hangup`: what SIGHUP does (broker/security.py's reload); `is_admin`: who may use the
+        admin ops, from a message's CURVE key and address (broker/security.py's admin_gate)."""
+        self.on_hangup = on_hangup
+        self.is_admin = is_admin
         self.config = config
         self.frontend = frontend
         self.backend = backend

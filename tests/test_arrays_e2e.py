@@ -247,3 +247,41 @@ def test_replies_are_held_only_while_a_connection_holds_requests(broker):
         wait_until(lambda: conn.call("ping")["ok"], what="a lone request answered")
     finally:
         conn.close()
+
+
+RAW_IDS = {
+    "uint32 for a small int": b"\xce\x00\x00\x00\x07",
+    "float32": b"\xca\x3f\xc0\x00\x00",
+    "str8 for a short str": b"\xd9\x02ab",
+    "int": b"\x05",
+    "bin": b"\xc4\x02\x00\x01",
+}
+
+
+@pytest.mark.parametrize("raw_id", RAW_IDS.values(), ids=RAW_IDS.keys())
+def test_an_id_is_echoed_byte_for_byte_alone_and_in_an_array(broker, raw_id):
+    """The worker decodes a request once and finds the id's bytes without a second walk: an id the
+    client encoded in a longer form than needed (or as a float32) still comes back as it went."""
+    request = b"\x83" + b"\xa2id" + raw_id + b"\xa2op\xa8tokenize" + b"\xa4text\xa2hi"
+    conn = Conn(broker.endpoint, delimiter=False)
+    try:
+        conn.send_raw(request)
+        alone = conn.recv_frames()[-1]
+        conn.send_raw(b"\x92" + request + request)
+        in_array: list[bytes] = []
+        while len(in_array) < 2:  # the replies' own bytes, out of one array frame or two frames
+            frame = conn.recv_frames()[-1]
+            if frame[0] & 0xF0 != 0x90:
+                in_array.append(frame)
+                continue
+            u = msgpack.Unpacker()
+            u.feed(frame)
+            for _ in range(u.read_array_header()):
+                at = u.tell()
+                u.skip()
+                in_array.append(frame[at:u.tell()])
+        for reply in (alone, *in_array):
+            assert reply[1:4] == b"\xa2id" and reply[4:4 + len(raw_id)] == raw_id, reply[:16]
+            assert msgpack.unpackb(reply)["ok"] is True
+    finally:
+        conn.close()
