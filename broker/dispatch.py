@@ -293,4 +293,5 @@ class Dispatcher:
     def _set_room(self, wid: bytes, slots: Slots, before: int) -> None:
         room = self._room(slots)
         self._free += room - before
-        self.router.block(wid, room <= 0)
+        if (room <= 0) != (before <= 0):  # the router hears only when the worker fills or frees up
+            self.router.block(wid, room <= 0)

@@ -186,9 +186,9 @@ def req(payload: dict, name: str, kind: type | tuple[type, ...]) -> Any:
 # --- client requests ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Envelope:
-    """How a client message arrived: the routing id and whether it carried the empty delimiter."""
+class Envelope(NamedTuple):
+    """How a client message arrived: the routing id and whether it carried the empty delimiter.
+    (A NamedTuple: one is built per client message, and it keys the frontend's reply outbox.)"""
 
     identity: bytes
     delimited: bool
