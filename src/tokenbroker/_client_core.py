@@ -184,7 +184,7 @@ class Core:
         if not link.alive:
             self._revive(link)
         try:
-            replies = msgpack.unpackb(payload, raw=False)
+            replies = msgpack.unpackb(payload, raw=False, strict_map_key=False)  # columnar stream replies key `stops` by index
         except Exception:  # not ours to judge: a reply we cannot read is dropped like a stray one
             link.dropped += 1
             return
