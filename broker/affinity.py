@@ -52,8 +52,7 @@ from __future__ import annotations
 import hashlib
 import io
 import struct
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import msgpack
 
@@ -88,9 +87,9 @@ BOUNDARIES: tuple[int, ...] = _boundaries()
 MAX_HASHED_BYTES = BOUNDARIES[-1]
 
 
-@dataclass(frozen=True)
-class RouteKey:
-    """Where a request would like to run: see the module docstring."""
+class RouteKey(NamedTuple):
+    """Where a request would like to run: see the module docstring. A NamedTuple: one is built per
+    request, and a frozen dataclass costs several times more to build."""
 
     key: bytes  # rendezvous key (affinity field, or model + first block)
     blocks: tuple[bytes, ...]  # prefix-block hashes, shallow to deep; () when affinity given or nothing to hash

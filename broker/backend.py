@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 MAX_REPORT_BYTES = 64 * 1024  # a heartbeat body larger than this is dropped
 MAX_LOADED_BYTES = 4 * 1024 * 1024  # a LOADED body (its special-token list) larger than this is dropped
 BATCH_BYTES = 4 * 1024 * 1024  # payload bytes in one backend message, past its first job
+_NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
+_NOBLOCK_MORE = _NOBLOCK | _SNDMORE
 
 
 @dataclass
@@ -128,14 +130,17 @@ class Backend:
     def expiry(now: float) -> float:
         return now + HEARTBEAT_INTERVAL_S * HEARTBEAT_LIVENESS
 
-    def receive(self, now: float, limit: int = 1024) -> list[object]:
-        """Drain up to `limit` messages; returns events in arrival order."""
+    def receive(self, now: float, limit: int = 8192) -> list[object]:
+        """Drain what has arrived (up to `limit` messages); returns events in arrival order."""
         events: list[object] = []
+        recv, more = self.sock.recv, self.sock.get
         for _ in range(limit):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = [recv(_NOBLOCK)]
             except zmq.Again:
                 break
+            while more(_RCVMORE):
+                frames.append(recv(_NOBLOCK))
             try:
                 events.extend(self._on_frames(frames, now))
             except Exception:  # a bug must cost this message, never the loop
@@ -252,7 +257,7 @@ class Backend:
     def send_unload(self, wid: bytes, name: str) -> None:
         self._send_frames([wid, B_UNLOAD, name.encode()])
 
-    def send_jobs(self, wid: bytes, jobs: list[tuple[int, int, bytes]]) -> None:
+    def send_jobs(self, wid: bytes, jobs: "list[tuple[int, int, bytes | memoryview]]") -> None:
         """Send (job id, budget ms, payload) to `wid`, at most MAX_BATCH_JOBS and BATCH_BYTES a message."""
         start = 0
         while start < len(jobs):
@@ -260,7 +265,9 @@ class Backend:
             while end < len(jobs) and end - start < MAX_BATCH_JOBS and (end == start or size + len(jobs[end][2]) <= BATCH_BYTES):
                 size += len(jobs[end][2])
                 end += 1
-            self.sock.send_multipart([wid, *pack_jobs(jobs[start:end])], copy=size > 65536)
+            # copy=False: pyzmq copies a frame under zmq.COPY_THRESHOLD (64 KiB) into the message and
+            # hands a larger one to ZeroMQ as it is (a payload, or a view of an array frame) with no copy.
+            self._send_frames([wid, *pack_jobs(jobs[start:end])], copy=False, block=True)
             start = end
 
     def forget(self, wid: bytes) -> WorkerState | None:
@@ -280,11 +287,16 @@ class Backend:
     def _send(self, wid: bytes, kind: bytes) -> None:
         self._send_frames([wid, kind])
 
-    def _send_frames(self, frames: list[bytes]) -> None:
+    def _send_frames(self, frames: list, *, copy: bool = True, block: bool = False) -> None:
+        """Frame by frame with plain int flags (pyzmq's send_multipart builds an enum per frame)."""
+        send, more = self.sock.send, _SNDMORE if block else _NOBLOCK_MORE
+        last = len(frames) - 1
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
+            for i, frame in enumerate(frames):
+                send(frame, more if i < last else more & ~_SNDMORE, copy=copy)
         except zmq.ZMQError:
-            pass
+            if block:
+                raise
 
     def ready_count(self) -> int:
         return sum(1 for w in self.workers.values() if not w.draining)

@@ -50,7 +50,7 @@ class Job:
     job_id: int
     envelope: Envelope
     raw_id: bytes  # the id's MessagePack bytes, echoed as they came
-    raw: bytes
+    raw: "bytes | memoryview"  # the request's bytes (a view of its frame when it came in an array)
     op: str
     route: RouteKey | None
     received: float
@@ -293,4 +293,5 @@ class Dispatcher:
     def _set_room(self, wid: bytes, slots: Slots, before: int) -> None:
         room = self._room(slots)
         self._free += room - before
-        self.router.block(wid, room <= 0)
+        if (room <= 0) != (before <= 0):  # the router hears only when the worker fills or frees up
+            self.router.block(wid, room <= 0)

@@ -5,26 +5,40 @@ The broker reads only what it routes by: the common fields (`id`, `op`, `model`,
 hash its first bytes. Values are walked over in C (`Unpacker.skip`), never decoded, so a 32 MiB
 text costs the loop a copy, not a decode; the worker validates the rest and answers
 `bad_request` itself. The raw payload goes to the worker untouched.
+
+Several requests in one frame (contract 1.2): a frame that is an array of maps is that many
+requests, peeked in one pass over the frame; each element's bytes go to its worker as a view of
+the frame (ZeroMQ copies them once, into the backend message). A connection that has sent an
+array gets its replies coalesced: `reply` holds them and `flush`, once per loop turn, sends each
+such connection one frame, an array header followed by the replies' bytes as the workers built
+them. A connection that never sent an array gets each reply alone, as in 1.1.
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
+from typing import Container
 
 import msgpack
 import zmq
 
-from tokenbroker.common.protocol import MAX_DEADLINE_MS, NIL, OPS, TOKENS_FORMATS, Envelope, error_reply, type_name
+from tokenbroker.common.errors import ProtocolError
+from tokenbroker.common.protocol import NIL, Envelope, common_fields, error_reply, id_problem, type_name
 
 # Fields whose value a routing key reads (as raw MessagePack bytes), by op.
 INPUT_FIELDS = frozenset({"text", "messages", "tools", "chat_template_kwargs", "body"})
 _HEADER_FIELDS = frozenset({"op", "model", "deadline_ms", "affinity", "tokens_format"})
-_ID_TYPES = (type(None), bool, int, float, str, bytes)
 
 
 @dataclass(slots=True)
 class Peek:
-    """A request as the broker sees it: the common fields, checked, and where its inputs lie."""
+    """A request as the broker sees it: the common fields, checked, and where its inputs lie.
+
+    `raw` is the frame it came in and `spans` are offsets into it; `body` is the request's own
+    bytes, what the worker gets: the frame itself for a lone map, a view of it for an element of
+    an array (no copy until ZeroMQ takes it).
+    """
 
     raw: bytes
     raw_id: bytes  # the id's MessagePack bytes as they came, echoed in the reply
@@ -33,6 +47,7 @@ class Peek:
     deadline_ms: int | None = None
     affinity: str | None = None
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # input field -> (start, end) in raw
+    body: "bytes | memoryview" = b""
 
     def value(self, name: str) -> bytes | None:
         """The raw MessagePack bytes of an input field, or None when absent."""
@@ -55,50 +70,126 @@ def peek_request(raw: bytes) -> Peek:
     >>> p.op, p.raw_id, p.value("text")
     ('tokenize', b'\\x05', b'\\xa2hi')
     """
+    unpacker = _unpacker(raw)
+    if not raw or raw[0] not in _MAPS:
+        raise Rejected(NIL, "bad_request", f"payload must be a map, got {_first_type(raw)}")
+    peek = _peek_map(unpacker, raw, 0, 0)
+    if unpacker.tell() != len(raw):
+        raise Rejected(peek.raw_id, "bad_request", "payload holds more than one MessagePack value: send one map")
+    peek.body = raw
+    return peek
+
+
+def peek_array(raw: bytes) -> list[Peek | Rejected]:
+    """The requests of a frame that is an array (contract 1.2, "Several requests in one frame"), in
+    one pass over the frame: each element a Peek (its `body` a view of the frame) or the Rejected
+    that answers it. Raises Rejected (id nil) when the frame itself cannot be read: then nothing in
+    it is served and one reply answers it, as for any unreadable payload. So does an array with no
+    map in it: that is not an array of requests but a payload of the wrong type, answered as 1.1
+    answers one (a 1.1 client that sends a list gets its one `bad_request`).
+
+    >>> [p.op if isinstance(p, Peek) else p.code for p in peek_array(msgpack.packb([{"op": "ping"}, 3]))]
+    ['ping', 'bad_request']
+    """
+    out: list[Peek | Rejected] = []
+    view = memoryview(raw)
+    unpacker = _unpacker(raw)
+    base = 0  # where `unpacker` started reading: its tell() counts from here
+    try:
+        count = unpacker.read_array_header()
+    except Exception as e:
+        raise Rejected(NIL, "bad_request", f"payload is not valid MessagePack ({len(raw)} bytes{_starting(raw)}): {e}") from None
+    maps = 0
+    for i in range(count):
+        start = base + unpacker.tell()
+        if start >= len(raw):
+            raise Rejected(NIL, "bad_request", f"payload is truncated: the array says {count} requests, "
+                           f"the frame holds {i}")
+        try:
+            if raw[start] not in _MAPS:
+                raise Rejected(NIL, "bad_request", f"request [{i}] of the array must be a map, got {_first_type(raw[start:start + 9])}")
+            maps += 1
+            peek = _peek_map(unpacker, raw, base, start)
+            peek.body = view[start:base + unpacker.tell()]
+            out.append(peek)
+        except Rejected as e:  # this element only: find where it ends (its bytes are skipped, never decoded)
+            out.append(e)
+            base, unpacker = _resume_after(raw, start)
+    if base + unpacker.tell() != len(raw):
+        raise Rejected(NIL, "bad_request", "payload holds more than one MessagePack value: send one array")
+    if maps == 0 and out:
+        raise Rejected(NIL, "bad_request", "payload must be a map (or an array of request maps), got list")
+    return out
+
+
+def _unpacker(raw: bytes) -> msgpack.Unpacker:
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(raw), 1))
     unpacker.feed(raw)
+    return unpacker
+
+
+def _resume_after(raw: bytes, start: int) -> tuple[int, msgpack.Unpacker]:
+    """An unpacker just past the value at `start`, and its base; Rejected when the frame is broken there."""
+    f = io.BytesIO(raw)
+    f.seek(start)
+    size = max(len(raw), 1)
+    walker = msgpack.Unpacker(f, raw=False, strict_map_key=False, read_size=min(64 * 1024, size), max_buffer_size=size)
+    try:
+        walker.skip()
+    except Exception as e:
+        raise Rejected(NIL, "bad_request", f"payload is not valid MessagePack from byte {start}: {str(e) or type(e).__name__}") from None
+    end = start + walker.tell()
+    f.seek(end)
+    return end, msgpack.Unpacker(f, raw=False, strict_map_key=False, read_size=min(64 * 1024, size), max_buffer_size=size)
+
+
+def _peek_map(unpacker: msgpack.Unpacker, raw: bytes, base: int, start: int) -> Peek:
+    """Read the map at the unpacker's position (`start` in raw): the common fields checked (one
+    shared check with the worker, common/protocol.py), the inputs' spans noted, the rest skipped."""
     raw_id = NIL
     fields: dict[str, object] = {}
     spans: dict[str, tuple[int, int]] = {}
     try:
-        try:
-            size = unpacker.read_map_header()
-        except Exception:
-            raise Rejected(NIL, "bad_request", f"payload must be a map, got {_first_type(raw)}") from None
+        size = unpacker.read_map_header()
         for _ in range(size):
             key = unpacker.unpack()
             if not isinstance(key, str):
                 raise Rejected(raw_id, "bad_request", f"payload map keys must be str, got {type_name(key)}")
-            start = unpacker.tell()
+            at = base + unpacker.tell()
             if key == "id":
                 unpacker.skip()
-                raw_id = raw[start:unpacker.tell()]
-                value = msgpack.unpackb(raw_id, raw=False) if raw_id[0] not in _CONTAINERS else []
-                if type(value) not in _ID_TYPES:
+                raw_id = raw[at:base + unpacker.tell()]
+                why = id_problem(raw_id)
+                if why is not None:
                     raw_id = NIL
-                    raise Rejected(NIL, "bad_request",
-                                   f"field 'id' must be nil, bool, int, float, str or bin, got {type_name(value)}")
+                    raise Rejected(NIL, "bad_request", why)
             elif key in _HEADER_FIELDS:
                 fields[key] = unpacker.unpack()
             else:
                 unpacker.skip()
                 if key in INPUT_FIELDS:
-                    spans[key] = (start, unpacker.tell())
-        if unpacker.tell() != len(raw):
-            raise Rejected(raw_id, "bad_request", "payload holds more than one MessagePack value: send one map")
+                    spans[key] = (at, base + unpacker.tell())
+        common = common_fields(fields)
     except Rejected:
         raise
+    except ProtocolError as e:
+        raise Rejected(raw_id, e.code, e.message) from None
     except UnicodeDecodeError as e:
         raise Rejected(raw_id, "bad_request", f"payload holds a str that is not valid UTF-8: {e.reason}") from None
     except Exception as e:  # truncated, not MessagePack, nested too deep, ...
         detail = str(e) or type(e).__name__
-        raise Rejected(raw_id, "bad_request", f"payload is not valid MessagePack ({len(raw)} bytes{_starting(raw)}): {detail}") from None
-    return _checked(raw, raw_id, fields, spans)
+        raise Rejected(raw_id, "bad_request", f"payload is not valid MessagePack ({len(raw) - start} bytes"
+                       f"{_starting(raw[start:start + 1])}): {detail}") from None
+    return Peek(raw, raw_id, common.op, common.model, common.deadline_ms, common.affinity, spans)
 
 
 _NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)  # a plain int: `sock.rcvmore` costs an enum lookup per frame
+REPLY_FRAME_BYTES = 4 * 1024 * 1024  # replies coalesced in one frame, past its first
+_PACKER = msgpack.Packer()
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-_CONTAINERS = frozenset(range(0x80, 0xA0)) | {0xDC, 0xDD, 0xDE, 0xDF}
+_MAPS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+_ARRAYS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
 
 
 def _first_type(raw: bytes) -> str:
@@ -122,29 +213,6 @@ def _first_type(raw: bytes) -> str:
 
 def _starting(raw: bytes) -> str:
     return f", starting 0x{raw[:1].hex()}" if raw else ", empty"
-
-
-def _checked(raw: bytes, raw_id: bytes, fields: dict[str, object], spans: dict[str, tuple[int, int]]) -> Peek:
-    def opt(name: str, kind: type) -> object:
-        value = fields.get(name)
-        if value is not None and type(value) is not kind:
-            raise Rejected(raw_id, "bad_request", f"field '{name}' must be {type_name(kind())}, got {type_name(value)}")
-        return value
-
-    op = opt("op", str)
-    if op is None:
-        raise Rejected(raw_id, "bad_request", "field 'op' is required")
-    if op not in OPS:
-        raise Rejected(raw_id, "unknown_op", f"field 'op' is {op!r}; expected one of {', '.join(sorted(OPS))}")
-    deadline_ms = opt("deadline_ms", int)
-    if deadline_ms is not None:
-        if deadline_ms <= 0:
-            raise Rejected(raw_id, "bad_request", f"field 'deadline_ms' must be an int > 0, got {deadline_ms}")
-        deadline_ms = min(deadline_ms, MAX_DEADLINE_MS)
-    tokens_format = opt("tokens_format", str)
-    if tokens_format is not None and tokens_format not in TOKENS_FORMATS:
-        raise Rejected(raw_id, "bad_request", f"field 'tokens_format' must be \"list\" or \"u32\", got {tokens_format!r}")
-    return Peek(raw, raw_id, op, opt("model", str), deadline_ms, opt("affinity", str), spans)  # type: ignore[arg-type]
 
 
 def split_envelope(frames: list[bytes]) -> tuple[Envelope, bytes]:
@@ -199,16 +267,19 @@ class Frontend:
         # Read who sent each message (its CURVE key, its address): needed for the admin ops only
         # when CURVE is on or the frontend is reachable from other hosts; it costs a Frame per message.
         self.tell_peer = tell_peer
+        self.arrays: set[bytes] = set()  # connections that sent an array and still hold requests
+        self.outbox: dict[Envelope, list[bytes]] = {}  # their replies of this turn, sent by flush()
 
-    def receive(self) -> Incoming | None:
-        """One message: a checked request, or None when it was answered here with an error.
+    def receive(self) -> list[Incoming | None]:
+        """One message: its requests checked (one, or each element of an array), None for each one
+        answered here with an error. An empty array is nothing, and gets no reply.
 
         Raises zmq.Again when nothing is waiting.
         """
         sock = self.sock
         frames = [sock.recv(_NOBLOCK)]
         peer = None
-        while sock.rcvmore:  # the frames of one message are all there once its first is
+        while sock.get(_RCVMORE):  # the frames of one message are all there once its first is
             if self.tell_peer:
                 frame = sock.recv(_NOBLOCK, copy=False)
                 peer = Peer.of(frame)
@@ -220,25 +291,78 @@ class Frontend:
         except _Malformed as e:
             self.fail(e.envelope, NIL, "bad_request",
                       f"a message is an optional empty delimiter then one payload frame; got {e.count} frames")
-            return None
+            return [None]
         if len(raw) > self.max_request_bytes:
             self.fail(envelope, _id_only(raw), "too_large",
                       f"payload is {len(raw)} bytes; this broker takes at most {self.max_request_bytes} (--max-request-bytes)")
-            return None
+            return [None]
+        if raw and raw[0] in _ARRAYS:
+            return self._receive_array(envelope, raw, peer)
         try:
-            return Incoming(envelope, peek_request(raw), peer)
+            return [Incoming(envelope, peek_request(raw), peer)]
         except Rejected as e:
             self.fail(envelope, e.raw_id, e.code, e.message)
-            return None
+            return [None]
+
+    def _receive_array(self, envelope: Envelope, raw: bytes, peer: "Peer | None") -> list[Incoming | None]:
+        try:
+            peeks = peek_array(raw)
+        except Rejected as e:
+            self.fail(envelope, e.raw_id, e.code, e.message)
+            return [None]
+        if peeks:
+            self.arrays.add(envelope.identity)  # before any reply: this connection's replies are coalesced
+        out: list[Incoming | None] = []
+        for p in peeks:
+            if isinstance(p, Rejected):
+                self.fail(envelope, p.raw_id, p.code, p.message)
+                out.append(None)
+            else:
+                out.append(Incoming(envelope, p, peer))
+        return out
 
     def reply(self, envelope: Envelope, payload: bytes) -> None:
+        """Send a reply now, or hold it for `flush` when its connection speaks arrays."""
+        if envelope.identity in self.arrays:
+            held = self.outbox.get(envelope)
+            if held is None:
+                self.outbox[envelope] = [payload]
+            else:
+                held.append(payload)
+            return
+        self._send(envelope, payload)
+
+    def flush(self, holding: "Container[bytes]") -> None:
+        """End of a turn: each array-speaking connection gets its replies in one frame, a MessagePack
+        array of them built from their bytes (never decoded; a lone reply goes as its map).
+        `holding`: the connections that still have requests held; the others stop being array
+        speakers here (they say so again with their next array), so the set stays small."""
+        if not self.outbox:
+            return
+        for envelope, payloads in self.outbox.items():
+            start = 0
+            while start < len(payloads):
+                end, size = start, 0
+                while end < len(payloads) and (end == start or size + len(payloads[end]) <= REPLY_FRAME_BYTES):
+                    size += len(payloads[end])
+                    end += 1
+                if end - start == 1:
+                    self._send(envelope, payloads[start])
+                else:
+                    self._send(envelope, _PACKER.pack_array_header(end - start) + b"".join(payloads[start:end]))
+                start = end
+            if envelope.identity not in holding:
+                self.arrays.discard(envelope.identity)
+        self.outbox.clear()
+
+    def _send(self, envelope: Envelope, payload: bytes) -> None:
         """Frame by frame with plain int flags: pyzmq's send_multipart costs more than the sends."""
         send = self.sock.send
         try:
             send(envelope.identity, _NOBLOCK_MORE)
             if envelope.delimited:
                 send(b"", _NOBLOCK_MORE)
-            send(payload, _NOBLOCK)
+            send(payload, _NOBLOCK, copy=False)  # a reply of 64 KiB or more leaves without a copy
         except zmq.ZMQError:  # the client is gone (a ROUTER drops what a full queue cannot take): never block the loop
             pass
 

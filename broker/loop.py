@@ -9,7 +9,6 @@ never tokenizes and never decodes a reply.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import replace
 import logging
 import signal
@@ -28,6 +27,7 @@ from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, Work
 from .catalog import FAILED, LOADING, WORKER, Catalog, CatalogError, Entry, add_model_spec, served_backends
 from .config import BrokerConfig
 from .dispatch import Dispatcher, Job
+from .jobs import JobTable
 from .frontend import Frontend, Incoming
 from .metrics import PoolMetrics
 from .placement import Load, Placement
@@ -37,7 +37,7 @@ from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
-FRONTEND_BATCH = 512  # messages read per turn, so the backend is never starved
+FRONTEND_BATCH = 4096  # messages read per turn (a full drain, bounded so the backend is never starved)
 FRONTEND_BATCH_BYTES = 64 * 1024 * 1024  # and payload bytes read per turn
 PUBLISH_EVERY_S = 0.1  # the exporter's view of the pool is at most this old
 SHUTDOWN_GRACE_S = 10.0
@@ -52,11 +52,11 @@ class BootFailed(Exception):
     """A local worker could not load its tokenizers: the broker must not start."""
 
 
-class Broker:
-    on_hangup: Callable[[], None] = staticmethod(lambda: None)  # broker/security.py's reload, set by main
-    # Who may use the admin ops, from a message's CURVE key and address (broker/security.py's admin_gate).
-    is_admin: Callable[[str | None, str | None], bool] = staticmethod(lambda user_id, address: True)
+def _everyone(user_id: str | None, address: str | None) -> bool:
+    return True
 
+
+class Broker:
     def __init__(
         self,
         config: BrokerConfig,
@@ -65,7 +65,14 @@ class Broker:
         supervisor: Supervisor,
         metrics: PoolMetrics,
         wakeup: socket.socket,
+        *,
+        on_hangup: Callable[[], None] = lambda: None,
+        is_admin: Callable[[str | None, str | None], bool] = _everyone,
     ) -> None:
+        """`on_hangup`: what SIGHUP does (broker/security.py's reload); `is_admin`: who may use the
+        admin ops, from a message's CURVE key and address (broker/security.py's admin_gate)."""
+        self.on_hangup = on_hangup
+        self.is_admin = is_admin
         self.config = config
         self.frontend = frontend
         self.backend = backend
@@ -80,11 +87,7 @@ class Broker:
         self.removing: set[str] = set()  # models removed whose queued jobs are still being served
         self.replan = True  # placement has something new to look at
         self.next_plan = 0.0
-        self.jobs: dict[int, Job] = {}  # every job held, queued or at a worker, until answered
-        self.held_bytes = 0  # payload bytes of every job held, bounded by max_pending_bytes
-        self.per_client: dict[bytes, int] = {}  # jobs held per client connection, bounded by max_client_pending
-        self.deadlines: list[tuple[float, int]] = []
-        self.next_id = 1
+        self.jobs = JobTable()  # every job held, queued or at a worker, until answered
         self.stopping_since: float | None = None
         self.next_publish = 0.0
         lim = config.models.limits
@@ -129,8 +132,10 @@ class Broker:
         except Exception:
             log.exception("the broker loop failed: answering every held request 'internal' before stopping")
             self._fail_all("internal", "the broker failed while holding this request (it is logged); retry")
+            self.frontend.flush(())
             raise
         self._fail_all("overloaded", "the broker is shutting down; retry on another broker")
+        self.frontend.flush(())
 
     def _serve(self) -> None:
         while True:
@@ -145,14 +150,16 @@ class Broker:
             if self.frontend.sock in events:
                 self._on_frontend(now)
             self.tick(now)
+            self.frontend.flush(self.jobs.per_client)
             if self.stopping_since is not None and (not self.jobs or now - self.stopping_since > SHUTDOWN_GRACE_S):
                 return
 
     def _timeout_ms(self, now: float) -> int:
         """Until the next timer that can change something: a heartbeat, a deadline or a spill."""
         nearest = self.backend.next_beat
-        if self.deadlines:
-            nearest = min(nearest, self.deadlines[0][0])
+        deadline = self.jobs.nearest_deadline()
+        if deadline is not None:
+            nearest = min(nearest, deadline)
         spill = self.dispatcher.next_timer(now)
         if spill is not None:
             nearest = min(nearest, spill)
@@ -170,53 +177,56 @@ class Broker:
     # --- frontend ----------------------------------------------------------------------
 
     def _on_frontend(self, now: float) -> None:
+        """Drain the frontend (up to a turn's bounds); each request of a message, alone or one of
+        an array, is admitted, routed and deadlined on its own."""
         budget = FRONTEND_BATCH_BYTES
         for _ in range(FRONTEND_BATCH):
             if budget <= 0:
                 return
             try:
-                incoming = self.frontend.receive()
+                incomings = self.frontend.receive()
             except zmq.Again:
                 return
-            if incoming is None:
-                self.metrics.request_done("invalid", "bad_request", 0.0)
-                continue
-            peek, envelope = incoming.peek, incoming.envelope
-            budget -= len(peek.raw)
-            if peek.op == "ping":
-                self.frontend.reply(envelope, ok_reply(peek.raw_id, {
-                    "workers": self.backend.ready_count(), "version": __version__, "worker": "broker",
-                    "limits": self.limits}))
-                self.metrics.request_done("ping", "ok", 0.0)
-                continue
-            if peek.op in CATALOG_OPS:
-                self._on_catalog_op(incoming)
-                continue
-            why = self._refusal(envelope.identity, len(peek.raw))
-            if why is not None:
-                self.frontend.fail(envelope, peek.raw_id, "overloaded", f"{why}; retry later")
-                self.metrics.request_done(peek.op, "overloaded", 0.0)
-                continue
-            entry = self._entry_of(peek.op, peek.model)
-            if entry is not None and entry.state == FAILED:
-                self.frontend.fail(envelope, peek.raw_id, "unknown_model", self._failed_message(entry.name))
-                self.metrics.request_done(peek.op, "unknown_model", 0.0)
-                continue
-            timeout_ms = peek.deadline_ms or self.config.request_timeout_ms
-            route = route_key(peek) if self.config.routing == "affinity" else None
-            job = Job(self.next_id, envelope, peek.raw_id, peek.raw, peek.op, route,
-                      received=now, deadline=now + timeout_ms / 1000, queued=now,
-                      model=entry.name if entry is not None else (peek.model if peek.op in MODEL_OPS else None),
-                      catalog=entry is not None)
-            if entry is not None:
-                self.metrics.model_request(entry.name)
-                self.replan |= not self.placement.holders(entry.name)
-            self.next_id += 1
-            self.jobs[job.job_id] = job
-            self.held_bytes += len(job.raw)
-            self.per_client[envelope.identity] = self.per_client.get(envelope.identity, 0) + 1
-            self.dispatcher.enqueue(job)
-            heapq.heappush(self.deadlines, (job.deadline, job.job_id))
+            for incoming in incomings:
+                if incoming is None:
+                    self.metrics.request_done("invalid", "bad_request", 0.0)
+                else:
+                    budget -= len(incoming.peek.body)
+                    self._on_request(incoming, now)
+
+    def _on_request(self, incoming: Incoming, now: float) -> None:
+        peek, envelope = incoming.peek, incoming.envelope
+        if peek.op == "ping":
+            self.frontend.reply(envelope, ok_reply(peek.raw_id, {
+                "workers": self.backend.ready_count(), "version": __version__, "worker": "broker",
+                "limits": self.limits}))
+            self.metrics.request_done("ping", "ok", 0.0)
+            return
+        if peek.op in CATALOG_OPS:
+            self._on_catalog_op(incoming)
+            return
+        body = peek.body
+        why = self._refusal(envelope.identity, len(body))
+        if why is not None:
+            self.frontend.fail(envelope, peek.raw_id, "overloaded", f"{why}; retry later")
+            self.metrics.request_done(peek.op, "overloaded", 0.0)
+            return
+        entry = self._entry_of(peek.op, peek.model)
+        if entry is not None and entry.state == FAILED:
+            self.frontend.fail(envelope, peek.raw_id, "unknown_model", self._failed_message(entry.name))
+            self.metrics.request_done(peek.op, "unknown_model", 0.0)
+            return
+        timeout_ms = peek.deadline_ms or self.config.request_timeout_ms
+        route = route_key(peek) if self.config.routing == "affinity" else None
+        job = Job(self.jobs.new_id(), envelope, peek.raw_id, body, peek.op, route,
+                  received=now, deadline=now + timeout_ms / 1000, queued=now,
+                  model=entry.name if entry is not None else (peek.model if peek.op in MODEL_OPS else None),
+                  catalog=entry is not None)
+        if entry is not None:
+            self.metrics.model_request(entry.name)
+            self.replan |= not self.placement.holders(entry.name)
+        self.jobs.add(job)
+        self.dispatcher.enqueue(job)
 
     def _entry_of(self, op: str, name: str | None) -> Entry | None:
         """The catalog model a job names, if any. Ops that tokenize name a catalog model or the
@@ -233,10 +243,10 @@ class Broker:
         c = self.config
         if self.stopping_since is not None:
             return "the broker is shutting down"
-        if self.dispatcher.waiting >= c.max_pending or self.held_bytes + size > c.max_pending_bytes:
-            return (f"{self.dispatcher.waiting} requests ({self.held_bytes} bytes) are queued "
+        if self.dispatcher.waiting >= c.max_pending or self.jobs.held_bytes + size > c.max_pending_bytes:
+            return (f"{self.dispatcher.waiting} requests ({self.jobs.held_bytes} bytes) are queued "
                     f"(--max-pending {c.max_pending}, --max-pending-bytes {c.max_pending_bytes})")
-        if self.per_client.get(client, 0) >= c.max_client_pending:
+        if self.jobs.held_by(client) >= c.max_client_pending:
             return f"this connection has {c.max_client_pending} requests held (--max-client-pending)"
         return None
 
@@ -245,14 +255,7 @@ class Broker:
         return f"no worker answered within the deadline ({(job.deadline - job.received) * 1000:.0f} ms)"
 
     def _release(self, job: Job) -> None:
-        if self.jobs.pop(job.job_id, None) is not None:
-            self.held_bytes -= len(job.raw)
-            client = job.envelope.identity
-            left = self.per_client[client] - 1
-            if left:
-                self.per_client[client] = left
-            else:
-                del self.per_client[client]
+        self.jobs.release(job)
 
     def _answer(self, job: Job, payload: bytes, outcome: str, now: float) -> None:
         job.answered = True
@@ -364,19 +367,11 @@ class Broker:
 
     def _expire(self, now: float) -> None:
         """Answer `timeout` for every job past its deadline; queued ones let go of their payload now."""
-        deadlines = self.deadlines
-        while deadlines and deadlines[0][0] <= now:
-            _, job_id = heapq.heappop(deadlines)
-            job = self.jobs.get(job_id)
-            if job is None or job.answered:
-                continue
+        for job in self.jobs.due(now):
             if job.worker is None:
                 self._fail_waiting(job, "timeout", self._timeout_message(job), now)
             else:
                 self._fail(job, "timeout", self._timeout_message(job), now)
-        if len(deadlines) > 2 * len(self.jobs) + 1024:  # entries of answered jobs: drop them
-            self.deadlines = [(j.deadline, j.job_id) for j in self.jobs.values() if not j.answered]
-            heapq.heapify(self.deadlines)
 
     def snapshot(self) -> PoolSnapshot:
         """What the exporter shows, copied so the HTTP thread never reads live structures."""
@@ -414,9 +409,9 @@ class Broker:
                 reports = [w.report for w in self.backend.workers.values()]
                 fields = {"models": self.catalog.describe(self.placement.replicas(), served_backends(reports))}
             elif peek.op == "add_model":
-                fields = self._add_model(add_model_spec(unpack(peek.raw)))
+                fields = self._add_model(add_model_spec(unpack(peek.body)))
             else:
-                fields = self._remove_model(req(unpack(peek.raw), "name", str))
+                fields = self._remove_model(req(unpack(peek.body), "name", str))
         except ProtocolError as e:
             self.frontend.fail(envelope, peek.raw_id, e.code, e.message)
             self.metrics.request_done(peek.op, e.code, 0.0)
@@ -567,12 +562,9 @@ class Broker:
 
     def _fail_all(self, code: str, message: str) -> None:
         now = time.monotonic()
-        for job in list(self.jobs.values()):
-            if not job.answered:
-                self._fail(job, code, message, now)
+        for job in self.jobs.unanswered():
+            self._fail(job, code, message, now)
         self.jobs.clear()
-        self.per_client.clear()
-        self.held_bytes = 0
         self.dispatcher.clear()
 
 

@@ -77,9 +77,7 @@ def serve(config: BrokerConfig) -> int:
                                          *security.local_worker_argv(backend_endpoint)])
     tell_peer, is_admin = admin_gate(security, config.frontend)
     broker = Broker(config, Frontend(frontend_sock, max_request_bytes=config.max_request_bytes, tell_peer=tell_peer),
-                    Backend(backend_sock), supervisor, metrics, wakeup)
-    broker.on_hangup = security.reload
-    broker.is_admin = is_admin
+                    Backend(backend_sock), supervisor, metrics, wakeup, on_hangup=security.reload, is_admin=is_admin)
     code = 0
     try:
         supervisor.start()

@@ -9,13 +9,13 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # of the broker<->worker frames: 2 carries a batch's payloads in one frame
 
 OPS = frozenset({"tokenize", "detokenize", "chat", "count", "models", "ping", "detokenize_stream",
                  "add_model", "remove_model"})
@@ -29,9 +29,9 @@ TOKENS_FORMATS = frozenset({"list", "u32"})
 # fixed-size binary records, so neither side builds a Python object per job to frame it.
 W_READY = b"R"  # [R, msgpack(Ready)]
 W_HEARTBEAT = b"H"  # [H, msgpack(stats)]
-W_RESULTS = b"D"  # [D, RESULT * n, reply payload * n]: replies go to the clients as they are
+W_RESULTS = b"D"  # [D, RESULT * n, the n reply payloads concatenated]: replies go to the clients as they are
 W_BYE = b"B"  # [B]: the worker leaves on purpose (SIGTERM); it finishes what it holds, takes nothing new
-B_JOBS = b"J"  # [J, JOB * n, client payload * n]
+B_JOBS = b"J"  # [J, JOB * n, the n client payloads concatenated]
 B_HEARTBEAT = b"h"  # [h]
 B_RESET = b"r"  # [r]: "I do not know you" (the broker forgot a silent worker): say READY again
 # The model catalog (1.1): the broker decides which worker holds which model; a worker loads in
@@ -43,8 +43,8 @@ W_LOADED = b"L"  # [L, msgpack(Loaded)]: a load finished, or failed
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_LIVENESS = 5  # a worker silent for interval * liveness is gone
 
-JOB = struct.Struct("<QI")  # job id, budget in ms (the time left of the request's deadline)
-RESULT = struct.Struct("<QB")  # job id, outcome (an index into OUTCOMES)
+JOB = struct.Struct("<QII")  # job id, budget in ms (the time left of the request's deadline), payload bytes
+RESULT = struct.Struct("<QBI")  # job id, outcome (an index into OUTCOMES), reply bytes
 
 # What a worker says of each job, so the broker counts outcomes without decoding replies. A
 # worker's byte is an index here; anything else reads as "internal", so no peer can invent labels.
@@ -63,46 +63,69 @@ MAX_NAME_CHARS = 128  # a worker's name, as shown in replies and metric labels
 MAX_DEADLINE_MS = 2**31 - 1
 
 
-def pack_jobs(jobs: list[tuple[int, int, bytes]]) -> list[bytes]:
-    """A B_JOBS message for (job id, budget ms, payload) triples.
+def pack_jobs(jobs: "list[tuple[int, int, bytes | memoryview]]") -> list[bytes]:
+    """A B_JOBS message for (job id, budget ms, payload) triples: three frames however many jobs
+    (a frame costs a send and a receive on each side; bytes are cheap to join). A lone payload is
+    its own frame, so a large one goes without being copied.
 
     >>> frames = pack_jobs([(7, 100, b"a"), (8, 200, b"bc")])
-    >>> unpack_jobs(frames[1:])
-    [(7, 100, b'a'), (8, 200, b'bc')]
+    >>> len(frames), unpack_jobs(frames[1:])
+    (3, [(7, 100, b'a'), (8, 200, b'bc')])
     """
-    header = b"".join(JOB.pack(job_id, budget) for job_id, budget, _ in jobs)
-    return [B_JOBS, header, *(payload for _, _, payload in jobs)]
+    header = b"".join([JOB.pack(job_id, budget, len(payload)) for job_id, budget, payload in jobs])
+    blob = jobs[0][2] if len(jobs) == 1 else b"".join([payload for _, _, payload in jobs])
+    return [B_JOBS, header, blob]
 
 
 def unpack_jobs(body: list[bytes]) -> list[tuple[int, int, bytes]]:
-    """The jobs of a B_JOBS body; ValueError when the header and the payload count disagree."""
-    header, payloads = body[0] if body else b"", body[1:]
-    if len(header) != JOB.size * len(payloads) or not payloads:
-        raise ValueError(f"a job batch of {len(payloads)} payloads has a {len(header)}-byte header")
-    return [(*JOB.unpack_from(header, i * JOB.size), payload) for i, payload in enumerate(payloads)]
+    """The jobs of a B_JOBS body; ValueError when the header and the payloads disagree."""
+    records = _records(body, JOB, "job")
+    blob = body[1]
+    if len(records) == 1:
+        job_id, budget, _ = records[0]
+        return [(job_id, budget, blob)]
+    out, at = [], 0
+    for job_id, budget, size in records:
+        out.append((job_id, budget, blob[at:at + size]))
+        at += size
+    return out
 
 
 def pack_results(results: list[tuple[bytes, str, bytes]]) -> list[bytes]:
-    """A W_RESULTS message for (job id as received, outcome, reply payload) triples."""
-    header = b"".join(RESULT.pack(job_id, OUTCOME_INDEX.get(outcome, OUTCOME_INDEX["internal"]))
-                      for job_id, outcome, _ in results)
-    return [W_RESULTS, header, *(payload for _, _, payload in results)]
+    """A W_RESULTS message for (job id as received, outcome, reply payload) triples: three frames."""
+    index, internal = OUTCOME_INDEX, OUTCOME_INDEX["internal"]
+    header = b"".join([RESULT.pack(job_id, index.get(outcome, internal), len(payload)) for job_id, outcome, payload in results])
+    blob = results[0][2] if len(results) == 1 else b"".join([payload for _, _, payload in results])
+    return [W_RESULTS, header, blob]
 
 
-def unpack_results(body: list[bytes]) -> list[tuple[int, str, bytes]]:
-    """The results of a W_RESULTS body; ValueError when it is malformed. Unknown outcomes read "internal".
+def unpack_results(body: list[bytes]) -> "list[tuple[int, str, memoryview]]":
+    """The results of a W_RESULTS body, each reply a view of the frame (the broker forwards replies
+    without copying them); ValueError when it is malformed. Unknown outcomes read "internal".
 
-    >>> unpack_results(pack_results([(3, "ok", b"r"), (4, "nonsense", b"s")])[1:])
+    >>> [(i, o, bytes(p)) for i, o, p in unpack_results(pack_results([(3, "ok", b"r"), (4, "nonsense", b"s")])[1:])]
     [(3, 'ok', b'r'), (4, 'internal', b's')]
     """
-    header, payloads = body[0] if body else b"", body[1:]
-    if len(header) != RESULT.size * len(payloads) or not payloads:
-        raise ValueError(f"a result batch of {len(payloads)} payloads has a {len(header)}-byte header")
-    out = []
-    for i, payload in enumerate(payloads):
-        job_id, code = RESULT.unpack_from(header, i * RESULT.size)
-        out.append((job_id, OUTCOMES[code] if code < len(OUTCOMES) else "internal", payload))
+    records = _records(body, RESULT, "result")
+    view = memoryview(body[1])
+    out, at, n = [], 0, len(OUTCOMES)
+    for job_id, code, size in records:
+        out.append((job_id, OUTCOMES[code] if code < n else "internal", view[at:at + size]))
+        at += size
     return out
+
+
+def _records(body: list[bytes], record: struct.Struct, what: str) -> list[tuple]:
+    """The fixed-size records of a batch header, checked against the payload bytes that follow."""
+    if len(body) != 2:
+        raise ValueError(f"a {what} batch must be a header and one payload frame, got {len(body)} frames")
+    header, blob = body
+    if not header or len(header) % record.size:
+        raise ValueError(f"a {what} batch header of {len(header)} bytes is not a whole number of {record.size}-byte records")
+    records = list(record.iter_unpack(header))
+    if sum(r[-1] for r in records) != len(blob):
+        raise ValueError(f"a {what} batch's records count {sum(r[-1] for r in records)} payload bytes, its frame has {len(blob)}")
+    return records
 
 
 def pack(obj: Any) -> bytes:
@@ -163,9 +186,9 @@ def req(payload: dict, name: str, kind: type | tuple[type, ...]) -> Any:
 # --- client requests ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Envelope:
-    """How a client message arrived: the routing id and whether it carried the empty delimiter."""
+class Envelope(NamedTuple):
+    """How a client message arrived: the routing id and whether it carried the empty delimiter.
+    (A NamedTuple: one is built per client message, and it keys the frontend's reply outbox.)"""
 
     identity: bytes
     delimited: bool
@@ -175,6 +198,55 @@ class Envelope:
 
 
 NIL = b"\xc0"  # MessagePack nil
+
+
+class CommonFields(NamedTuple):
+    """The fields every request shares, checked: what the broker routes by and the worker reads
+    (a NamedTuple: one is built per request on both sides, cheaper than a dataclass)."""
+
+    op: str
+    model: str | None
+    deadline_ms: int | None
+    affinity: str | None
+    tokens_format: str
+
+
+def common_fields(fields: dict) -> CommonFields:
+    """Check the common fields of a request (docs/protocol.md "Request fields common to every op").
+
+    The one check both sides run: the broker on the fields it peeked, the worker on the map it
+    decoded. ProtocolError names the field.
+
+    >>> common_fields({"op": "tokenize", "deadline_ms": 2**40}).deadline_ms == MAX_DEADLINE_MS
+    True
+    """
+    op = fields.get("op")
+    if op is None:
+        raise ProtocolError("bad_request", "field 'op' is required")
+    if type(op) is not str:
+        raise ProtocolError("bad_request", f"field 'op' must be str, got {type_name(op)}")
+    if op not in OPS:
+        raise ProtocolError("unknown_op", f"field 'op' is {op!r}; expected one of {', '.join(sorted(OPS))}")
+    deadline_ms = fields.get("deadline_ms")
+    if deadline_ms is not None:
+        if type(deadline_ms) is not int:
+            raise ProtocolError("bad_request", f"field 'deadline_ms' must be int, got {type_name(deadline_ms)}")
+        if deadline_ms <= 0:
+            raise ProtocolError("bad_request", f"field 'deadline_ms' must be an int > 0, got {deadline_ms}")
+        deadline_ms = min(deadline_ms, MAX_DEADLINE_MS)
+    tokens_format = fields.get("tokens_format")
+    if tokens_format is None:
+        tokens_format = "list"
+    elif type(tokens_format) is not str:
+        raise ProtocolError("bad_request", f"field 'tokens_format' must be str, got {type_name(tokens_format)}")
+    elif tokens_format not in TOKENS_FORMATS:
+        raise ProtocolError("bad_request", f"field 'tokens_format' must be \"list\" or \"u32\", got {tokens_format!r}")
+    model, affinity = fields.get("model"), fields.get("affinity")
+    if model is not None and type(model) is not str:
+        raise ProtocolError("bad_request", f"field 'model' must be str, got {type_name(model)}")
+    if affinity is not None and type(affinity) is not str:
+        raise ProtocolError("bad_request", f"field 'affinity' must be str, got {type_name(affinity)}")
+    return CommonFields(op, model, deadline_ms, affinity, tokens_format)
 
 
 @dataclass(frozen=True)
@@ -192,6 +264,25 @@ class Request:
 
 
 _CONTAINER_TYPES = frozenset(range(0x80, 0xA0)) | {0xDC, 0xDD, 0xDE, 0xDF}  # fixmap, fixarray, array/map 16/32
+_SCALAR_IDS = frozenset(range(0x00, 0x80)) | frozenset(range(0xE0, 0x100)) | frozenset(range(0xCA, 0xD4)) | {
+    0xC0, 0xC2, 0xC3, 0xC4, 0xC5, 0xC6}  # ints, nil, bools, floats, bins: valid as they are
+_STR_IDS = frozenset(range(0xA0, 0xC0)) | {0xD9, 0xDA, 0xDB}
+
+
+def id_problem(raw_id: bytes) -> str | None:
+    """Why an `id` value (its MessagePack bytes) may not be echoed, or None. Read from its first
+    byte; only a str is decoded (it must be valid UTF-8)."""
+    b = raw_id[0]
+    if b in _SCALAR_IDS:
+        return None
+    if b in _STR_IDS:
+        try:
+            msgpack.unpackb(raw_id, raw=False)
+        except UnicodeDecodeError as e:
+            return f"payload holds a str that is not valid UTF-8: {e.reason}"
+        return None
+    kind = "list" if b in (0xDC, 0xDD) or 0x90 <= b <= 0x9F else "map" if b in _CONTAINER_TYPES else "ext"
+    return f"field 'id' must be nil, bool, int, float, str or bin, got {kind}"
 
 
 def raw_id(data: bytes) -> bytes:
@@ -209,44 +300,39 @@ def raw_id(data: bytes) -> bytes:
             start = unpacker.tell()
             unpacker.skip()
             value = data[start:unpacker.tell()]
-            if value[0] in _CONTAINER_TYPES:
-                return NIL
-            msgpack.unpackb(value, raw=False)  # a str id must be valid UTF-8 to be echoed
-            return value
+            return NIL if id_problem(value) is not None else value
     except Exception:
         return NIL
     return NIL
 
 
 def parse_request(data: bytes) -> Request:
+    """A client payload as the worker serves it: decoded once (in C), the common fields checked
+    by `common_fields`, the id's bytes found without walking the payload again (`_echo_id`)."""
     payload = unpack(data)
     if not isinstance(payload, dict):
         raise ProtocolError("bad_request", f"payload must be a map, got {type_name(payload)}")
-    if any(not isinstance(k, str) for k in payload):
-        raise ProtocolError("bad_request", "payload map keys must be str")
-    if isinstance(payload.get("id"), (list, dict)):
-        raise ProtocolError("bad_request", f"field 'id' must be nil, bool, int, float, str or bin, got {type_name(payload['id'])}")
-    op = req(payload, "op", str)
-    if op not in OPS:
-        raise ProtocolError("unknown_op", f"field 'op' is {op!r}; expected one of {', '.join(sorted(OPS))}")
-    deadline_ms = opt(payload, "deadline_ms", int, None)
-    if deadline_ms is not None and deadline_ms <= 0:
-        raise ProtocolError("bad_request", f"field 'deadline_ms' must be an int > 0, got {deadline_ms}")
-    if deadline_ms is not None:
-        deadline_ms = min(deadline_ms, MAX_DEADLINE_MS)
-    tokens_format = opt(payload, "tokens_format", str, "list")
-    if tokens_format not in TOKENS_FORMATS:
-        raise ProtocolError("bad_request", f"field 'tokens_format' must be \"list\" or \"u32\", got {tokens_format!r}")
-    return Request(
-        id=payload.get("id"),
-        raw_id=raw_id(data),
-        op=op,
-        model=opt(payload, "model", str, None),
-        deadline_ms=deadline_ms,
-        affinity=opt(payload, "affinity", str, None),
-        tokens_format=tokens_format,
-        payload=payload,
-    )
+    for k in payload:
+        if type(k) is not str:
+            raise ProtocolError("bad_request", "payload map keys must be str")
+    rid = payload.get("id")
+    if isinstance(rid, (list, dict)):
+        raise ProtocolError("bad_request", f"field 'id' must be nil, bool, int, float, str or bin, got {type_name(rid)}")
+    common = common_fields(payload)
+    return Request(id=rid, raw_id=_echo_id(data, rid), op=common.op, model=common.model,
+                   deadline_ms=common.deadline_ms, affinity=common.affinity, tokens_format=common.tokens_format,
+                   payload=payload)
+
+
+def _echo_id(data: bytes, rid: Any) -> bytes:
+    """The id's bytes as the client sent them. Clients encode an id in its shortest form (every
+    MessagePack library does), so packing the decoded value again gives those bytes: checked by
+    finding `"id"` followed by them in the payload (a C scan). When they are not there (a float32,
+    a wider int than needed), the payload is walked for them (`raw_id`)."""
+    if rid is None:
+        return NIL
+    packed = msgpack.packb(rid, use_bin_type=True)
+    return packed if b"\xa2id" + packed in data else raw_id(data)
 
 
 LOGGED_ID_BYTES = 64  # a request id in a log line is cut to this many bytes

@@ -12,6 +12,11 @@ answers it itself); silent for the whole window, it is left: its socket is close
 again (so stale replies and queued requests die with it), its outstanding calls are re-sent to
 another live broker (every op is idempotent), and it is probed until it answers again.
 `overloaded` replies are retried with full-jitter exponential backoff while the deadline allows.
+
+Coalescing (contract 1.2): the calls of one event-loop turn are held on their link and leave
+together when the turn ends (`loop.call_soon`), as one frame holding a MessagePack array of
+their maps (a lone call as its map). The broker answers such a connection with arrays of reply
+maps, decoded here in one `unpackb`; each reply still settles its own call by id.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ LOCAL_GRACE_S = 0.05
 BACKOFF_BASE_S = 0.005  # first `overloaded` retry waits up to this; each next one up to twice as long
 BACKOFF_MAX_S = 0.25
 MAX_DEADLINE_MS = 2**31 - 1  # the broker takes larger values as this
+COALESCE_MAX_CALLS = 256  # requests gathered in one frame, at most
+COALESCE_MAX_BYTES = 1024 * 1024  # and bytes (a request larger than this goes alone)
 
 
 class Core:
@@ -104,24 +111,49 @@ class Core:
         link.outstanding[call.id] = call
         call.link = link
         link.sent += 1
-        self._write(link, payload)
+        self._queue(link, call, payload)
 
-    def _write(self, link: Link, payload: bytes) -> None:
-        """Send one payload (no delimiter frame: the reply then has one frame too, half the frames)."""
-        try:
-            link.shadow.send(payload, zmq.NOBLOCK)  # type: ignore[union-attr]
-        except zmq.Again:  # not with an unbounded send queue, but if so let pyzmq queue it
-            link.sock.send(payload)  # type: ignore[union-attr]
+    def _queue(self, link: Link, call: Call | None, payload: bytes) -> None:
+        """Hold a request for this loop turn's frame to the link; the first one schedules the flush.
+
+        A frame holds at most COALESCE_MAX_CALLS requests and COALESCE_MAX_BYTES bytes (a larger
+        request goes alone), so it stays far under any broker's --max-request-bytes."""
+        if link.outbox and (len(link.outbox) >= COALESCE_MAX_CALLS or link.outbox_bytes + len(payload) > COALESCE_MAX_BYTES):
+            self._flush(link)
+        link.outbox.append((call, payload))
+        link.outbox_bytes += len(payload)
         if not link.kick:
             link.kick = True
             self._loop.call_soon(self._kick, link)  # type: ignore[union-attr]
 
+    def _flush(self, link: Link) -> None:
+        """Send what the link holds: one request as its map, several as one MessagePack array of
+        them (contract 1.2), built from their packed bytes. Calls cancelled or expired since go not."""
+        held, link.outbox, link.outbox_bytes = link.outbox, [], 0
+        calls = self._calls
+        # A cancelled call's future is done at once, before its task has run to forget it.
+        payloads = [payload for call, payload in held if call is None or (call.id in calls and not call.future.done())]
+        if not payloads:
+            return
+        frame = payloads[0] if len(payloads) == 1 else self._packer.pack_array_header(len(payloads)) + b"".join(payloads)
+        self._write(link, frame)
+
+    def _write(self, link: Link, payload: bytes) -> None:
+        """Send one frame (no delimiter frame: the reply then has one frame too, half the frames)."""
+        link.frames += 1
+        try:
+            link.shadow.send(payload, zmq.NOBLOCK)  # type: ignore[union-attr]
+        except zmq.Again:  # not with an unbounded send queue, but if so let pyzmq queue it
+            link.sock.send(payload)  # type: ignore[union-attr]
+
     def _kick(self, link: Link) -> None:
-        """Once per loop turn after sending: ZeroMQ's descriptor is edge-triggered, and a send on the
-        shadow socket may take in a reply without the descriptor saying so; read EVENTS (which
-        re-arms it) and take in whatever is waiting."""
+        """Once per loop turn after calls were made: send them (one frame), then, since ZeroMQ's
+        descriptor is edge-triggered and a send on the shadow socket may take in a reply without
+        the descriptor saying so, read EVENTS (which re-arms it) and take in whatever is waiting."""
         link.kick = False
         if link.shadow is not None:
+            if link.outbox:
+                self._flush(link)
             self._drain(link, link.shadow)
 
     async def _read(self, link: Link, sock: zmq.asyncio.Socket, shadow: zmq.Socket) -> None:
@@ -143,7 +175,8 @@ class Core:
             self._on_reply(link, payload)
 
     def _on_reply(self, link: Link, payload: bytes) -> None:
-        """One frame: requests go without a delimiter, so each reply is its payload alone."""
+        """One frame: a reply map, or (to a client that sent arrays) an array of them, decoded in
+        one go. Requests go without a delimiter, so each frame is a payload alone."""
         now = self._loop.time()  # type: ignore[union-attr]
         link.heard = now
         if not payload:  # a delimiter: not ours to send, yet harmless to skip
@@ -151,15 +184,30 @@ class Core:
         if not link.alive:
             self._revive(link)
         try:
-            reply = msgpack.unpackb(payload, raw=False, strict_map_key=False)  # columnar stream replies key `stops` by index
-            rid = reply.get("id")
+            replies = msgpack.unpackb(payload, raw=False, strict_map_key=False)  # columnar stream replies key `stops` by index
         except Exception:  # not ours to judge: a reply we cannot read is dropped like a stray one
             link.dropped += 1
             return
+        if type(replies) is dict:
+            self._on_reply_map(link, replies, now)
+        elif type(replies) is list:
+            for reply in replies:
+                if type(reply) is dict:
+                    self._on_reply_map(link, reply, now)
+                else:
+                    link.dropped += 1
+        else:
+            link.dropped += 1
+
+    def _on_reply_map(self, link: Link, reply: dict, now: float) -> None:
+        rid = reply.get("id")
         if rid is not None and rid == link.probe_id:
             link.probe_id = None
             return
-        call = self._calls.get(rid)
+        try:
+            call = self._calls.get(rid)
+        except TypeError:  # an unhashable id: not one of ours
+            call = None
         if call is None:
             link.dropped += 1
             return
@@ -271,7 +319,7 @@ class Core:
         link.probe_id = next(self._ids)
         link.probe_sent = now
         ping = {"id": link.probe_id, "op": "ping", "deadline_ms": max(1, int(self._liveness * 1000))}
-        self._write(link, self._packer.pack(ping))
+        self._queue(link, None, self._packer.pack(ping))
 
     def _leave(self, link: Link, now: float) -> None:
         link.alive = False

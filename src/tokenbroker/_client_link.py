@@ -41,6 +41,7 @@ class EndpointStatus:
     retried: int  # `overloaded` answers from it that were retried
     dropped: int  # replies from it for ids no longer pending (late, duplicate, or a probe's)
     left: int  # times it was left for not answering
+    frames: int = 0  # messages sent there: the calls of one loop turn share one (coalescing)
 
 
 @dataclass(eq=False)
@@ -57,17 +58,20 @@ class Link:
     left_at: float = 0.0
     probe_id: int | None = None
     probe_sent: float = 0.0
-    kick: bool = False  # a `_kick` is scheduled for this loop turn
+    kick: bool = False  # a `_kick` is scheduled for this loop turn: it sends `outbox`, then drains
+    outbox: list[tuple[Call | None, bytes]] = field(default_factory=list)  # (call, payload) this turn; None: a probe
+    outbox_bytes: int = 0
     outstanding: dict[int, Call] = field(default_factory=dict)
     sent: int = 0
     resent: int = 0
     retried: int = 0
     dropped: int = 0
     left: int = 0
+    frames: int = 0
 
     def status(self) -> EndpointStatus:
         return EndpointStatus(self.endpoint, self.alive, len(self.outstanding), self.sent, self.resent,
-                              self.retried, self.dropped, self.left)
+                              self.retried, self.dropped, self.left, self.frames)
 
     def open(self, context: zmq.asyncio.Context, curve: CurveKeys | None) -> None:
         """A fresh DEALER connected to the endpoint (the reader task is the engine's to start)."""
@@ -89,3 +93,5 @@ class Link:
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = self.shadow = None
+        self.outbox.clear()  # what it held is re-sent from `outstanding` by whoever closed it
+        self.outbox_bytes = 0
