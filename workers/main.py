@@ -55,6 +55,7 @@ from tokenbroker.common.protocol import (
     unpack_jobs,
 )
 
+from .chat_background import BackgroundRenders
 from .config import WorkerConfig
 from .loader import Catalog, Loader
 from .ops import Ops, PendingJob
@@ -66,6 +67,7 @@ RECONNECT_INIT_S = 0.1
 RECONNECT_MAX_S = 5.0
 MAX_ROUND_JOBS = 256  # jobs run in one round before their results go out
 WATCHDOG_GRACE_S = 2.0  # a round may run this long past its jobs' budgets before heartbeats stop
+RENDER_DRAIN_S = 11.0  # leaving, a worker waits this long for its renders (their budget is 10 s)
 
 
 def build_ready(config: WorkerConfig, name: str, incarnation: str, registry: ModelRegistry) -> Ready:
@@ -94,6 +96,7 @@ class Worker:
         self.ops = ops
         self.registry = registry
         self.loader = Loader(config.models.cache)
+        self.renders = ops.renders = BackgroundRenders()  # chats render while the rounds go on
         self.catalog = Catalog(registry, self.loader, config.models.max_models)
         self.lock = threading.Lock()  # held by whoever touches `sock`
         self.sock: zmq.Socket | None = None
@@ -122,6 +125,7 @@ class Worker:
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.loader.fd, zmq.POLLIN)
+        self.poller.register(self.renders.fd, zmq.POLLIN)
         return sock
 
     def _ready(self) -> bytes:
@@ -166,7 +170,8 @@ class Worker:
                 if self.leaving.is_set() and bye_at is None:
                     self._send([W_BYE])
                     bye_at = time.monotonic()
-                if bye_at is not None and (drained or time.monotonic() - bye_at > 2 * HEARTBEAT_INTERVAL_S):
+                drain_s = 2 * HEARTBEAT_INTERVAL_S + (RENDER_DRAIN_S if self.renders.pending else 0.0)
+                if bye_at is not None and ((drained and not self.renders.pending) or time.monotonic() - bye_at > drain_s):
                     break
                 events = dict(self.poller.poll(max(0.0, self.next_beat - time.monotonic()) * 1000))
                 if self.sock in events:
@@ -175,6 +180,7 @@ class Worker:
                 if self.loader.fd in events:
                     for loaded in self.catalog.finished():
                         self._send([W_LOADED, loaded.to_wire()])
+                rendered = self.renders.fd in events
                 now = time.monotonic()
                 if now >= self.next_beat:
                     if self.orphaned():
@@ -193,11 +199,14 @@ class Worker:
                         backoff = min(backoff * 2, RECONNECT_MAX_S)
                         self.sock = self._connect()
                         liveness = HEARTBEAT_LIVENESS
+            if rendered:
+                self._send_results(self.ops.finish_renders())
             if jobs:
                 self._run_round(jobs)
             while self.unloads:
                 self.catalog.unload(self.unloads.pop(0))
         self.loader.close()
+        self.renders.close()
         with self.lock:
             self.sock.close(linger=2000)
             self.sock = None
@@ -243,7 +252,13 @@ class Worker:
         finally:
             self.round_until = None
             self.stuck_logged = False
-        self.served += len(jobs)
+        self._send_results(results)
+
+    def _send_results(self, results: list) -> None:
+        """One W_RESULTS message (none when a round only started renders)."""
+        if not results:
+            return
+        self.served += len(results)
         with self.lock:
             self._send(pack_results(results))
 

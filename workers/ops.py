@@ -11,6 +11,7 @@ import sys
 import time
 from array import array
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 from tokenbroker.common.errors import ProtocolError
@@ -27,7 +28,9 @@ from tokenbroker.common.protocol import (
     type_name,
 )
 
+from .budget import ReplyBudget
 from .cache import CacheOutcome
+from .chat_background import BackgroundRenders
 from .count import count_request
 from .registry import Model, ModelRegistry
 from .tokenizers import InvalidTokenId
@@ -47,14 +50,15 @@ def ids_to_u32(ids: list[int]) -> bytes:
     return a.tobytes()
 
 
-def u32_to_ids(data: bytes, field: str) -> list[int]:
+def u32_array(data: bytes, field: str) -> array:
+    """The ids of a u32 bin, 4 bytes each (a list of ints would take 36): what budgets are charged from."""
     if len(data) % 4:
         raise ProtocolError("invalid_input", f"field '{field}': a u32 bin must be a multiple of 4 bytes long, got {len(data)}")
     a = array("I")
     a.frombytes(data)
     if not _LITTLE:  # pragma: no cover
         a.byteswap()
-    return a.tolist()
+    return a
 
 
 def _tokens_out(ids: list[int], fmt: str) -> Any:
@@ -71,6 +75,15 @@ class PendingJob:
     payload: bytes
 
 
+@dataclass(slots=True)
+class ChatJob:
+    """A chat between its fields and its reply: the model, its render (a call that blocks), what to return."""
+
+    model: Model
+    render: Callable[[], str]
+    return_prompt: bool
+
+
 class Ops:
     """Dispatch by op name; one method per op, each returning the reply's op fields."""
 
@@ -79,9 +92,11 @@ class Ops:
         self.worker_name = worker_name
         self.limits = registry.limits
         self.deadline = float("inf")  # of the job being served (time.monotonic()); batches stop past it
+        self.renders: BackgroundRenders | None = None  # set by the worker: chats render off its round loop
 
     def run(self, jobs: list[PendingJob]) -> list[tuple[int, str, bytes]]:
         """Serve a batch: (job id, outcome, reply) per job, in order. One job's failure is its own.
+        With `renders` set, a chat job only starts its render here: `finish_renders` answers it.
 
         Plain tokenize jobs of one model with its caches off go through one batch encode (which
         releases the GIL); the rest are served one by one. Replies equal what `handle` gives.
@@ -97,6 +112,9 @@ class Ops:
             except ProtocolError as e:
                 out[i] = (job.job_id, e.code, error_reply(raw_id(job.payload), e.code, e.message))
                 continue
+            if request.op == "chat" and self.renders is not None:
+                out[i] = self._defer_chat(job, request)
+                continue
             model = self._plain_tokenize_model(request)
             if model is None:
                 reply, outcome = self.serve(request, deadline=job.received + job.budget_ms / 1000 if job.budget_ms else None)
@@ -106,7 +124,7 @@ class Ops:
                 groups.setdefault((id(model), add_special), (model, []))[1].append((i, request))
         for (_, add_special), (model, members) in groups.items():
             self._encode_group(model, jobs, members, add_special, out)
-        return out  # type: ignore[return-value]
+        return [r for r in out if r is not None]  # deferred chats are answered by finish_renders
 
     def _plain_tokenize_model(self, request: Request) -> Any:
         """The model of a tokenize request that a batch encode serves exactly, else None."""
@@ -130,6 +148,11 @@ class Ops:
             return
         off = CacheTally(self.registry.l0_enabled).to_wire()  # a cache-less model: nothing looked up
         for (i, request), ids in zip(members, all_ids):
+            try:
+                ReplyBudget(self.limits.max_reply_bytes).charge_ids(ids, request.tokens_format)
+            except ProtocolError as e:
+                out[i] = (jobs[i].job_id, e.code, error_reply(request.raw_id, e.code, e.message))
+                continue
             fields = {"tokens": _tokens_out(ids, request.tokens_format), "count": len(ids), "cache": off,
                       "worker": self.worker_name}
             out[i] = (jobs[i].job_id, *self._capped(request.raw_id, ok_reply(request.raw_id, fields), "ok"))
@@ -159,16 +182,18 @@ class Ops:
             return error_reply(raw_id(data), e.code, e.message), e.code
         return self.serve(request)
 
-    def serve(self, request: Request, *, deadline: float | None = None) -> tuple[bytes, str]:
+    def serve(self, request: Request, *, deadline: float | None = None,
+              fields: Callable[[], dict] | None = None) -> tuple[bytes, str]:
         """Serve one parsed request: (the reply bytes, outcome). A batch inside it stops once
-        `deadline` (time.monotonic()) has passed."""
+        `deadline` (time.monotonic()) has passed. `fields` gives the op's reply fields instead of
+        its op_ method (a chat whose render finished in the background)."""
         self.deadline = float("inf") if deadline is None else deadline
         request_id = request.raw_id
         try:
             method = getattr(self, f"op_{request.op}", None)
             if method is None:
                 raise ProtocolError("unknown_op", f"field 'op': {request.op!r} is not served by workers")
-            fields = method(request.payload, request.model, request.tokens_format)
+            fields = method(request.payload, request.model, request.tokens_format) if fields is None else fields()
             reply = ok_reply(request_id, {**fields, "worker": self.worker_name})
             outcome, reply = self._capped(request_id, reply, "ok")
             return reply, outcome
@@ -187,9 +212,11 @@ class Ops:
         add_special = opt(p, "add_special_tokens", bool, True)
         model = self.registry.resolve(model_name)
         tally = CacheTally(self.registry.l0_enabled)
+        budget = ReplyBudget(self.limits.max_reply_bytes)
         if isinstance(text, str):
             ids, outcome = model.cache.encode(text, add_special)
             tally.add(outcome)
+            budget.charge_ids(ids, fmt)
             return {"tokens": _tokens_out(ids, fmt), "count": len(ids), "cache": tally.to_wire()}
         self._batch_items(text, "text")
         for i, t in enumerate(text):
@@ -200,6 +227,7 @@ class Ops:
             self._check_deadline(i)
             ids, outcome = model.cache.encode(t, add_special)
             tally.add(outcome)
+            budget.charge_ids(ids, fmt, f"the token ids of text[0..{i}]")
             total += len(ids)
             out.append(_tokens_out(ids, fmt))
         return {"tokens": out, "count": total, "cache": tally.to_wire()}
@@ -209,22 +237,30 @@ class Ops:
         skip = opt(p, "skip_special_tokens", bool, True)
         model = self.registry.resolve(model_name)
         batch = _split_batch(tokens)
+        budget = ReplyBudget(self.limits.max_reply_bytes)
         if batch is None:
-            return {"text": self._decode(model, _ids(tokens, "tokens"), skip, "tokens")}
+            return {"text": self._decode(model, _ids(tokens, "tokens"), skip, "tokens", budget)}
         self._batch_items(batch, "tokens")
         texts = []
         for i, item in enumerate(batch):
             self._check_deadline(i)
-            texts.append(self._decode(model, _ids(item, f"tokens[{i}]"), skip, f"tokens[{i}]"))
+            texts.append(self._decode(model, _ids(item, f"tokens[{i}]"), skip, f"tokens[{i}]", budget))
         return {"text": texts}
 
-    def _decode(self, model, ids: list[int], skip: bool, field: str) -> str:
+    def _decode(self, model, ids: list[int] | array, skip: bool, field: str, budget: ReplyBudget) -> str:
+        """The text of `ids`, once its size bound is charged to `budget` (too_large before decoding)."""
         try:
-            return model.tokenizer.decode(ids, skip_special_tokens=skip)
+            budget.charge_decoded(model.tokenizer, ids, f"the text of {field}")
+            return model.tokenizer.decode(ids if type(ids) is list else ids.tolist(), skip_special_tokens=skip)
         except InvalidTokenId as e:
             raise ProtocolError("invalid_input", f"field '{field}[{e.index}]': {e}") from e
 
     def op_chat(self, p: dict, model_name: str | None, fmt: str) -> dict:
+        chat = self._chat_start(p, model_name)
+        return self._chat_finish(chat, chat.render(), fmt)
+
+    def _chat_start(self, p: dict, model_name: str | None) -> ChatJob:
+        """A chat's fields read and its model resolved: what its render (inline or in the background) needs."""
         messages = req(p, "messages", list)
         tools = opt(p, "tools", list, None)
         add_generation_prompt = opt(p, "add_generation_prompt", bool, True)
@@ -235,20 +271,55 @@ class Ops:
             if not isinstance(m, dict):
                 raise ProtocolError("bad_request", f"field 'messages[{i}]' must be a map, got {type_name(m)}")
         model = self.registry.resolve(model_name)
-        prompt = model.renderer().render(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final,
-            extra=kwargs,
-        )
+        render = partial(model.renderer().render, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                         continue_final_message=continue_final, extra=kwargs)
+        return ChatJob(model, render, return_prompt)
+
+    def _chat_finish(self, chat: ChatJob, prompt: str, fmt: str) -> dict:
+        """A rendered chat's reply fields: its prompt encoded, charged to the reply budget."""
+        model, return_prompt = chat.model, chat.return_prompt
         ids, outcome = model.cache.encode(prompt, False)
         tally = CacheTally(self.registry.l0_enabled)
         tally.add(outcome)
+        budget = ReplyBudget(self.limits.max_reply_bytes)
+        budget.charge_ids(ids, fmt)
+        if return_prompt:
+            budget.charge_text(prompt, "the rendered prompt")
         reply = {"tokens": _tokens_out(ids, fmt), "count": len(ids), "cache": tally.to_wire()}
         if return_prompt:
             reply["prompt"] = prompt
         return reply
+
+    def _defer_chat(self, job: PendingJob, request: Request) -> tuple[int, str, bytes] | None:
+        """Start a chat job's render on the render thread: None once it is on its way (`finish_renders`
+        answers it), else the job's result (its fields refused it before any render)."""
+        try:
+            chat = self._chat_start(request.payload, request.model)
+        except ProtocolError as e:
+            return job.job_id, e.code, error_reply(request.raw_id, e.code, e.message)
+        except Exception:  # noqa: BLE001 - a bug: serve() says so, as it does inline
+            reply, outcome = self.serve(request)
+            return job.job_id, outcome, reply
+        self.renders.submit((job, request, chat), chat.render)
+        return None
+
+    def finish_renders(self) -> list[tuple[int, str, bytes]]:
+        """The results of the chat jobs whose render finished: (job id, outcome, reply) each."""
+        out = []
+        for done in self.renders.finished():
+            job, request, chat = done.key
+            if job.budget_ms and (time.monotonic() - job.received) * 1000 > job.budget_ms:
+                out.append((job.job_id, SKIPPED, b""))  # the broker has answered `timeout`
+                continue
+
+            def fields(done=done, chat=chat, fmt=request.tokens_format) -> dict:
+                if done.error is not None:
+                    raise done.error
+                return self._chat_finish(chat, done.prompt, fmt)
+
+            reply, outcome = self.serve(request, fields=fields)
+            out.append((job.job_id, outcome, reply))
+        return out
 
     def op_count(self, p: dict, model_name: str | None, fmt: str) -> dict:
         body = req(p, "body", (dict, str, bytes))
@@ -290,9 +361,9 @@ def _split_batch(tokens: list | bytes) -> list | None:
     return None
 
 
-def _ids(value: list | bytes, field: str) -> list[int]:
+def _ids(value: list | bytes, field: str) -> list[int] | array:
     if isinstance(value, bytes):
-        return u32_to_ids(value, field)
+        return u32_array(value, field)
     for i, t in enumerate(value):
         if type(t) is not int:
             raise ProtocolError("bad_request", f"field '{field}[{i}]' must be int, got {type_name(t)}")
