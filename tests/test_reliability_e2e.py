@@ -113,29 +113,44 @@ def test_a_frame_of_many_times_the_limit_is_answered_and_the_broker_stays_small(
     assert status_bytes(broker.proc.pid, "VmHWM") < before + frames * len(body)
 
 
-def test_small_requests_are_served_while_a_chat_template_sorts_for_seconds(small_frames):
-    broker, conn = small_frames
-    (worker,) = broker.worker_pids()  # one worker: every request below lands where the render runs
-    slow = {"id": "slow", "op": "chat", "messages": [{"role": "user", "content": "qwertyuiopasdfghjklzxcvbnm" * 3800}],
-            "chat_template_kwargs": {"rounds": 3}}
-    conn.send(slow)
-    answered_before_chat = 0
-    chat = None
+def _small_answered_while(conn: Conn, slow: dict) -> tuple[int, dict]:
+    """Send `slow`, then tiny tokenize requests one after another (each awaits its reply) until the
+    slow reply comes or 200 went: how many were answered before it, and its reply."""
+    conn.send({"id": "slow", **slow})
+    answered, reply = 0, None
     for i in range(200):
         conn.send({"id": i, "op": "tokenize", "text": f"small request {i}"})
         while True:
-            reply = conn.recv(timeout=60)
-            if reply["id"] == "slow":
-                chat = reply
+            got = conn.recv(timeout=60)
+            if got["id"] == "slow":
+                reply = got
                 continue
-            assert reply["id"] == i and reply["ok"], reply
+            assert got["id"] == i and got["ok"], got
             break
-        if chat is not None:
+        if reply is not None:
             break
-        answered_before_chat += 1
-    while chat is None:
-        chat = conn.recv(timeout=60)
-    assert chat["id"] == "slow" and chat["ok"], chat
+        answered += 1
+    while reply is None:
+        reply = conn.recv(timeout=60)
+    assert reply["id"] == "slow"
+    return answered, reply
+
+
+def test_small_requests_are_served_while_a_chat_template_sorts_for_seconds(small_frames):
+    broker, conn = small_frames
+    (worker,) = broker.worker_pids()  # one worker: every request below lands where the render runs
+    answered, chat = _small_answered_while(conn, {
+        "op": "chat", "messages": [{"role": "user", "content": "qwertyuiopasdfghjklzxcvbnm" * 3800}],
+        "chat_template_kwargs": {"rounds": 3}})
+    assert chat["ok"], chat
     # Served inline, every small request waited behind the render: none was answered before it.
-    assert answered_before_chat >= 20, answered_before_chat
+    assert answered >= 20, answered
     assert broker.worker_pids() == [worker]
+
+
+def test_small_requests_are_served_while_a_long_text_encodes(small_frames):
+    _, conn = small_frames
+    words = [f"w{i % 5000}x{i % 7}" for i in range(200_000)]
+    answered, long = _small_answered_while(conn, {"op": "tokenize", "text": " ".join(words), "tokens_format": "u32"})
+    assert long["ok"] and long["count"] >= 200_000, long.get("error")
+    assert answered >= 10, answered  # inline (and with the worker's bytes full at the broker), none was

@@ -30,7 +30,7 @@ from tokenbroker.common.protocol import (
 
 from .budget import ReplyBudget
 from .cache import CacheOutcome
-from .chat_background import BackgroundRenders
+from .background import Done, Lane
 from .count import count_request
 from .registry import Model, ModelRegistry
 from .tokenizers import InvalidTokenId
@@ -75,6 +75,9 @@ class PendingJob:
     payload: bytes
 
 
+OFFLOAD_BYTES = 64 * 1024  # a plain tokenize payload longer than this encodes on the encode lane (~10 ms of work)
+
+
 @dataclass(slots=True)
 class ChatJob:
     """A chat between its fields and its reply: the model, its render (a call that blocks), what to return."""
@@ -92,11 +95,14 @@ class Ops:
         self.worker_name = worker_name
         self.limits = registry.limits
         self.deadline = float("inf")  # of the job being served (time.monotonic()); batches stop past it
-        self.renders: BackgroundRenders | None = None  # set by the worker: chats render off its round loop
+        # Set by the worker: chats render, and long texts encode, off its round loop (workers/background.py).
+        self.renders: Lane | None = None
+        self.encodes: Lane | None = None
 
     def run(self, jobs: list[PendingJob]) -> list[tuple[int, str, bytes]]:
         """Serve a batch: (job id, outcome, reply) per job, in order. One job's failure is its own.
-        With `renders` set, a chat job only starts its render here: `finish_renders` answers it.
+        With lanes set, a chat job only starts its render here, and a plain tokenize of a long text
+        its encode: `finish_deferred` answers them.
 
         Plain tokenize jobs of one model with its caches off go through one batch encode (which
         releases the GIL); the rest are served one by one. Replies equal what `handle` gives.
@@ -119,12 +125,15 @@ class Ops:
             if model is None:
                 reply, outcome = self.serve(request, deadline=job.received + job.budget_ms / 1000 if job.budget_ms else None)
                 out[i] = (job.job_id, outcome, reply)
+                continue
+            add_special = request.payload.get("add_special_tokens") is not False
+            if self.encodes is not None and len(job.payload) > OFFLOAD_BYTES:
+                self._defer_encode(job, request, model, add_special)
             else:
-                add_special = request.payload.get("add_special_tokens") is not False
                 groups.setdefault((id(model), add_special), (model, []))[1].append((i, request))
         for (_, add_special), (model, members) in groups.items():
             self._encode_group(model, jobs, members, add_special, out)
-        return [r for r in out if r is not None]  # deferred chats are answered by finish_renders
+        return [r for r in out if r is not None]  # deferred jobs are answered by finish_deferred
 
     def _plain_tokenize_model(self, request: Request) -> Any:
         """The model of a tokenize request that a batch encode serves exactly, else None."""
@@ -291,7 +300,7 @@ class Ops:
         return reply
 
     def _defer_chat(self, job: PendingJob, request: Request) -> tuple[int, str, bytes] | None:
-        """Start a chat job's render on the render thread: None once it is on its way (`finish_renders`
+        """Start a chat job's render on the render lane: None once it is on its way (`finish_deferred`
         answers it), else the job's result (its fields refused it before any render)."""
         try:
             chat = self._chat_start(request.payload, request.model)
@@ -300,24 +309,56 @@ class Ops:
         except Exception:  # noqa: BLE001 - a bug: serve() says so, as it does inline
             reply, outcome = self.serve(request)
             return job.job_id, outcome, reply
-        self.renders.submit((job, request, chat), chat.render)
+
+        def finish(done: Done) -> tuple[bytes, str]:
+            def fields() -> dict:
+                if done.error is not None:
+                    raise done.error
+                return self._chat_finish(chat, done.result, request.tokens_format)
+
+            return self.serve(request, fields=fields)
+
+        self.renders.submit((job, finish), chat.render)
         return None
 
-    def finish_renders(self) -> list[tuple[int, str, bytes]]:
-        """The results of the chat jobs whose render finished: (job id, outcome, reply) each."""
+    def _defer_encode(self, job: PendingJob, request: Request, model: Any, add_special: bool) -> None:
+        """Encode a long plain text on the encode lane, and build its reply there too: the batch encode
+        releases the GIL, and the rest (ids to Python, packing) shares it with the round loop in
+        5 ms slices instead of holding the loop for the whole of it."""
+        fmt, text, rid = request.tokens_format, request.payload["text"], request.raw_id
+
+        def encode() -> tuple[bytes, str] | None:
+            try:
+                ids = model.tokenizer.encode_many([text], add_special_tokens=add_special)[0]
+            except Exception:  # noqa: BLE001 - a text the batch call refuses: served inline, which names the error
+                return None
+            try:
+                fields = self._encoded_fields(ids, fmt)
+            except ProtocolError as e:
+                return error_reply(rid, e.code, e.message), e.code
+            outcome, reply = self._capped(rid, ok_reply(rid, {**fields, "worker": self.worker_name}), "ok")
+            return reply, outcome
+
+        def finish(done: Done) -> tuple[bytes, str]:
+            return self.serve(request) if done.result is None else done.result
+
+        self.encodes.submit((job, finish), encode)
+
+    def _encoded_fields(self, ids: list[int], fmt: str) -> dict:
+        """The reply fields of a plain tokenize encoded without the caches (charged to the reply budget)."""
+        ReplyBudget(self.limits.max_reply_bytes).charge_ids(ids, fmt)
+        off = CacheTally(self.registry.l0_enabled).to_wire()
+        return {"tokens": _tokens_out(ids, fmt), "count": len(ids), "cache": off}
+
+    def finish_deferred(self, lane: Lane) -> list[tuple[int, str, bytes]]:
+        """The results of the jobs whose call on `lane` finished: (job id, outcome, reply) each."""
         out = []
-        for done in self.renders.finished():
-            job, request, chat = done.key
+        for done in lane.finished():
+            job, finish = done.key
             if job.budget_ms and (time.monotonic() - job.received) * 1000 > job.budget_ms:
                 out.append((job.job_id, SKIPPED, b""))  # the broker has answered `timeout`
                 continue
-
-            def fields(done=done, chat=chat, fmt=request.tokens_format) -> dict:
-                if done.error is not None:
-                    raise done.error
-                return self._chat_finish(chat, done.prompt, fmt)
-
-            reply, outcome = self.serve(request, fields=fields)
+            reply, outcome = finish(done)
             out.append((job.job_id, outcome, reply))
         return out
 

@@ -104,3 +104,35 @@ def test_serve_help_says_workers_default_to_one_per_usable_core():
     out = subprocess.run([sys.executable, "-m", "tokenbroker", "serve", "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "default auto: one per core this process may use" in " ".join(out.split())
+
+
+def test_a_long_tokenize_holds_one_lane_of_its_worker_and_small_jobs_keep_flowing_to_it():
+    """Caches off: workers encode a long text off their loop, so the broker still sends them small jobs."""
+    from tokenbroker.broker.affinity import route_key
+    from tokenbroker.broker.dispatch import Dispatcher, Job
+    from tokenbroker.broker.frontend import peek_request
+    from tokenbroker.broker.router import Router
+    from tokenbroker.common.protocol import Envelope, pack
+
+    def job(i: int, size: int) -> Job:
+        peek = peek_request(pack({"op": "tokenize", "text": "x" * size}))
+        return Job(i, Envelope(b"c", True), b"\xc0", peek.raw, peek.op, route_key(peek), received=0.0, deadline=30.0,
+                   queued=0.0)
+
+    d = Dispatcher(Router(), spill_wait=0.0, worker_bytes=1000, long_off_loop=True)
+    d.add_worker(b"w1", 8)
+    d.add_worker(b"w2", 8)
+    longs = [job(i, 5000) for i in range(3)]
+    for j in longs:
+        d.enqueue(j)
+    first = dict(d.assign(0.1))
+    assert sorted(len(jobs) for jobs in first.values()) == [1, 1]  # one long text per worker; the third waits
+    small = [job(10 + i, 10) for i in range(6)]
+    for j in small:
+        d.enqueue(j)
+    placed = {wid: [j.job_id for j in jobs] for wid, jobs in d.assign(0.2)}
+    assert sorted(i for ids in placed.values() for i in ids) == [10 + i for i in range(6)]  # not held up
+    assert set(placed) == {b"w1", b"w2"}  # both workers take small jobs while they encode a long one
+    (holder,) = [wid for wid, jobs in first.items()][:1]
+    d.finish(holder, first[holder][0].job_id, served=True)
+    assert [(wid, [j.job_id for j in jobs]) for wid, jobs in d.assign(0.3)] == [(holder, [longs[2].job_id])]
