@@ -150,7 +150,7 @@ def test_small_requests_are_served_while_a_chat_template_sorts_for_seconds(small
 
 def test_small_requests_are_served_while_a_long_text_encodes(small_frames):
     _, conn = small_frames
-    words = [f"w{i % 5000}x{i % 7}" for i in range(200_000)]
+    words = [f"w{i % 5000}x{i % 7}" for i in range(100_000)]
     answered, long = _small_answered_while(conn, {"op": "tokenize", "text": " ".join(words), "tokens_format": "u32"})
-    assert long["ok"] and long["count"] >= 200_000, long.get("error")
+    assert long["ok"] and long["count"] >= 100_000, long.get("error")
     assert answered >= 10, answered  # inline (and with the worker's bytes full at the broker), none was
