@@ -7,6 +7,7 @@ model and cache flags `serve` takes too and hands to local workers (`model_argv`
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -43,7 +44,7 @@ class BrokerConfig:
     backend: str | None = None  # None: an ipc:// path in a private runtime dir
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
-    workers: int = 1
+    workers: int = field(default_factory=lambda: usable_cores())  # `--workers auto`
     request_timeout_ms: int = 30000
     max_request_bytes: int = 32 * MiB
     max_pending: int = 4096
@@ -78,19 +79,73 @@ def _workers(text: str) -> int:
     return non_negative_int(text)
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (affinity and cgroup-pinned sets), not the host's count."""
+def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may use: its affinity mask, capped by its cgroup's CPU quota.
+
+    A container limited to 2 CPUs (`--cpus 2`, a Kubernetes limit) sees every host core in its
+    affinity mask; only the quota says 2. A fractional quota rounds up (1.5 CPUs: 2 workers).
+    """
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root)
+    if quota is not None:
+        cores = min(cores, math.ceil(quota))
+    return max(1, cores)
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs this process's cgroup may use (quota / period), or None when unlimited or unknown.
+
+    cgroup v2: the smallest `cpu.max` ("200000 100000", or "max 100000") of the process's own cgroup
+    and its parents (inside a container's namespace its cgroup is the root); v1: cpu.cfs_quota_us /
+    cpu.cfs_period_us (-1: no quota).
+    """
+    found = []
+    for path in _cgroup_v2_dirs(root):
+        quota, _, period = (_read(os.path.join(path, "cpu.max")) or "max").partition(" ")
+        ratio = None if quota == "max" else _ratio(quota, period)
+        if ratio is not None:
+            found.append(ratio)
+    if found:
+        return min(found)
+    for sub in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        quota, period = (_read(os.path.join(root, sub, f"cpu.cfs_{k}_us")) for k in ("quota", "period"))
+        if quota is not None and period is not None:
+            return None if quota.startswith("-") else _ratio(quota, period)
+    return None
+
+
+def _cgroup_v2_dirs(root: str) -> list[str]:
+    """This process's cgroup folder and its parents up to `root` (a quota on any of them applies)."""
+    own = next((line[3:] for line in (_read("/proc/self/cgroup") or "").splitlines() if line.startswith("0::")), "")
+    parts = [p for p in own.strip("/").split("/") if p and p != ".."]
+    return [os.path.join(root, *parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _ratio(quota: str, period: str) -> float | None:
+    try:
+        q, p = int(quota), int(period.split()[0] if period else "100000")
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     d = BrokerConfig()
-    p.add_argument("--workers", type=_workers, default=d.workers, metavar="N|auto",
-                   help="local worker processes (auto: the cores this process may use)")
+    p.add_argument("--workers", type=_workers, default="auto", metavar="N|auto",
+                   help="local worker processes (default auto: one per core this process may use, from its "
+                        "CPU affinity and cgroup CPU quota; 0: remote workers only)")
     p.add_argument("--frontend", default=d.frontend)
     p.add_argument("--backend", default=None, help="default: ipc:// in a private runtime dir; tcp://HOST:PORT lets remote workers join")
     p.add_argument("--metrics-host", default=d.metrics_host)

@@ -16,7 +16,11 @@ A turn of `assign(now)`:
 What one turn assigns to a worker goes in one backend message (the backend splits it by count and
 bytes), so a busy pool pays the hop once per batch, not per job. A worker is full at `capacity`
 jobs, or at `worker_bytes` payload bytes once it holds one job: a huge request blocks the queue of
-its own worker only, and small ones go elsewhere meanwhile.
+its own worker only, and small ones go elsewhere meanwhile. A `tokenize` longer than `worker_bytes`
+is the exception when caches are off (`long_off_loop`): a worker encodes it off its round loop
+(workers/background.py; with caches on it encodes inline, its prefixes cached), so it does not
+count against the worker's bytes; instead a worker holds one such job at a time, and the small
+jobs keep flowing to it.
 
 A job that names a model goes only to the workers holding it: a catalog model's holders come from
 broker/placement.py (none yet: it waits for a load, within its deadline), another name's from what
@@ -70,14 +74,18 @@ class Slots:
     capacity: int
     jobs: dict[int, Job] = field(default_factory=dict)
     bytes: int = 0
+    long_jobs: int = 0  # long tokenize jobs held: encoded off the worker's loop, one at a time
     draining: bool = False  # said BYE: finishes what it holds, gets nothing new
 
 
 class Dispatcher:
     def __init__(self, router: Router, *, spill_wait: float, worker_bytes: int,
                  lookahead: int = AFFINITY_LOOKAHEAD,
-                 holders: Callable[[str], frozenset[bytes]] = lambda model: frozenset()) -> None:
+                 holders: Callable[[str], frozenset[bytes]] = lambda model: frozenset(),
+                 long_off_loop: bool = False) -> None:
         self.router = router
+        # Workers encode a long tokenize off their loop (only with caches off, which workers share).
+        self.long_off_loop = long_off_loop
         self.holders = holders  # a catalog model -> the workers holding it (broker/placement.py)
         self.spill_wait = spill_wait
         self.worker_bytes = worker_bytes
@@ -168,7 +176,10 @@ class Dispatcher:
             return None
         before = self._room(slots)
         del slots.jobs[job_id]
-        slots.bytes -= len(job.raw)
+        if self._long(job):
+            slots.long_jobs -= 1
+        else:
+            slots.bytes -= len(job.raw)
         job.worker = None
         if served and job.route is not None:
             self.router.record(job.route, wid)
@@ -259,10 +270,17 @@ class Dispatcher:
     # --- internals -----------------------------------------------------------------------
 
     def _allowed(self, job: Job) -> frozenset[bytes] | None:
-        """The workers that may take the job: its catalog model's holders (maybe none), else by READY names."""
-        if job.catalog:
-            return self.holders(job.model)  # type: ignore[arg-type]
-        return self.models.eligible(job.model)
+        """The workers that may take the job: its catalog model's holders (maybe none), else by READY
+        names; a long tokenize, only those not encoding one already."""
+        allowed = self.holders(job.model) if job.catalog else self.models.eligible(job.model)  # type: ignore[arg-type]
+        if not self._long(job):
+            return allowed
+        free = frozenset(wid for wid, slots in self.workers.items() if not slots.long_jobs)
+        return free if allowed is None else allowed & free
+
+    def _long(self, job: Job) -> bool:
+        """A tokenize the worker encodes off its loop (workers/ops.py OFFLOAD_BYTES is below this)."""
+        return self.long_off_loop and job.op == "tokenize" and len(job.raw) > self.worker_bytes
 
     def _demand(self, model: str | None, change: int) -> None:
         left = self.demand.get(model, 0) + change  # type: ignore[arg-type]
@@ -275,7 +293,10 @@ class Dispatcher:
         slots = self.workers[wid]
         before = self._room(slots)
         slots.jobs[job.job_id] = job
-        slots.bytes += len(job.raw)
+        if self._long(job):
+            slots.long_jobs += 1
+        else:
+            slots.bytes += len(job.raw)
         job.worker = wid
         job.attempts += 1
         self.waiting -= 1

@@ -26,6 +26,8 @@ import zmq
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import NIL, Envelope, common_fields, error_reply, id_problem, type_name
 
+from .oversized import id_in_place
+
 # Fields whose value a routing key reads (as raw MessagePack bytes), by op.
 INPUT_FIELDS = frozenset({"text", "messages", "tools", "chat_template_kwargs", "body"})
 _HEADER_FIELDS = frozenset({"op", "model", "deadline_ms", "affinity", "tokens_format"})
@@ -277,24 +279,27 @@ class Frontend:
         Raises zmq.Again when nothing is waiting.
         """
         sock = self.sock
-        frames = [sock.recv(_NOBLOCK)]
-        peer = None
+        frames: list = [sock.recv(_NOBLOCK)]
+        peer = oversized = None
         while sock.get(_RCVMORE):  # the frames of one message are all there once its first is
+            # Not copied yet: a frame over the limit is answered from ZeroMQ's own buffer, then freed.
+            frame = sock.recv(_NOBLOCK, copy=False)
             if self.tell_peer:
-                frame = sock.recv(_NOBLOCK, copy=False)
                 peer = Peer.of(frame)
-                frames.append(frame.bytes)
+            if len(frame) > self.max_request_bytes:
+                oversized = frame
+                frames.append(b"\x00")  # a placeholder for split_envelope: the frame is never copied
             else:
-                frames.append(sock.recv(_NOBLOCK))
+                frames.append(frame.bytes)
         try:
             envelope, raw = split_envelope(frames)
         except _Malformed as e:
             self.fail(e.envelope, NIL, "bad_request",
                       f"a message is an optional empty delimiter then one payload frame; got {e.count} frames")
             return [None]
-        if len(raw) > self.max_request_bytes:
-            self.fail(envelope, _id_only(raw), "too_large",
-                      f"payload is {len(raw)} bytes; this broker takes at most {self.max_request_bytes} (--max-request-bytes)")
+        if oversized is not None:
+            self.fail(envelope, id_in_place(oversized.buffer), "too_large", f"payload is {len(oversized)} bytes; "
+                      f"this broker takes at most {self.max_request_bytes} (--max-request-bytes)")
             return [None]
         if raw and raw[0] in _ARRAYS:
             return self._receive_array(envelope, raw, peer)
@@ -368,11 +373,3 @@ class Frontend:
 
     def fail(self, envelope: Envelope, raw_request_id: bytes, code: str, message: str) -> None:
         self.reply(envelope, error_reply(raw_request_id, code, message))
-
-
-def _id_only(raw: bytes) -> bytes:
-    """The id of a payload too large to read: found by skipping values in C, never decoding them."""
-    try:
-        return peek_request(raw).raw_id
-    except Rejected as e:
-        return e.raw_id

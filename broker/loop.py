@@ -82,8 +82,10 @@ class Broker:
         self.router = Router(balance_factor=config.balance_factor, balance_margin=config.balance_margin)
         self.catalog = Catalog(config.models)
         self.placement = Placement(config.models.max_models)
+        caches = config.models.cache
         self.dispatcher = Dispatcher(self.router, spill_wait=config.spill_wait_ms / 1000,
-                                     worker_bytes=config.worker_max_bytes, holders=self.placement.holders)
+                                     worker_bytes=config.worker_max_bytes, holders=self.placement.holders,
+                                     long_off_loop=not (caches.l0_enabled or caches.l1_enabled))
         self.removing: set[str] = set()  # models removed whose queued jobs are still being served
         self.replan = True  # placement has something new to look at
         self.next_plan = 0.0

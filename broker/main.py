@@ -27,9 +27,9 @@ FRONTEND_HWM = 1000  # messages queued per client connection, each way
 
 
 def hard_frame_limit(max_request_bytes: int) -> int:
-    """Frames up to this are read and answered too_large past --max-request-bytes; larger ones
-    make ZeroMQ drop the connection before they are in memory."""
-    return max(2 * max_request_bytes, 1024 * 1024)
+    """Frames up to this are read and answered too_large past --max-request-bytes (contract 1.2,
+    "Limits that answer"); larger ones make ZeroMQ drop the connection before they are in memory."""
+    return max(8 * max_request_bytes, 64 * 1024 * 1024)
 
 
 def _bind(sock: zmq.Socket, endpoint: str, what: str) -> str:
@@ -57,7 +57,8 @@ def serve(config: BrokerConfig) -> int:
     # loses its own replies (a ROUTER drops what it cannot queue), never the broker's memory.
     frontend_sock.setsockopt(zmq.SNDHWM, FRONTEND_HWM)
     frontend_sock.setsockopt(zmq.RCVHWM, FRONTEND_HWM)
-    # A hard guard far above --max-request-bytes: larger frames drop the connection instead of filling memory.
+    # A hard guard far above --max-request-bytes: larger frames drop the connection instead of filling memory;
+    # frames under it are answered too_large from ZeroMQ's buffer and freed at once (frontend.py).
     frontend_sock.setsockopt(zmq.MAXMSGSIZE, hard_frame_limit(config.max_request_bytes))
     frontend_endpoint = _bind(frontend_sock, config.frontend, "frontend")
     backend_sock = ctx.socket(zmq.ROUTER)

@@ -193,14 +193,15 @@ class BrokerProcess:
         return any(text in line for line in list(self.log))
 
 
-def start_broker(*args: str, workers: int = 1, timeout: float = 120.0, expect_ready: bool = True) -> BrokerProcess:
+def start_broker(*args: str, workers: int | None = 1, timeout: float = 120.0, expect_ready: bool = True) -> BrokerProcess:
     """`tokenbroker serve` on a loopback port with `args`, returned once it prints its ready line.
 
     The exporter is off unless `args` set --metrics-port. With `expect_ready=False` it returns at once
-    (for brokers that are meant to fail at start); nothing reads their output then.
+    (for brokers that are meant to fail at start); nothing reads their output then. `workers=None`
+    passes no --workers (the default, one per usable core); tests pass 1 unless they need more.
     """
     argv = [sys.executable, "-m", "tokenbroker", "serve", "--frontend", "tcp://127.0.0.1:*",
-            "--workers", str(workers), *args]
+            *(["--workers", str(workers)] if workers is not None else []), *args]
     if "--metrics-port" not in args:
         argv += ["--metrics-port", "0"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

