@@ -130,11 +130,8 @@ class Template:
             words = line.decode("utf-8", "replace").split()
             if len(words) == 3 and words[0] == ZYGOTE_FORKED and words[1] in self.forked:
                 child = self.forked[words[1]]
-                child.pid = int(words[2]) or None
-                if child.pid is None:  # it refused to fork (see its log)
-                    self._left(child, 1)
-                else:
-                    self.by_pid[child.pid] = child
+                child.pid = int(words[2])
+                self.by_pid[child.pid] = child
             elif len(words) == 3 and words[0] == ZYGOTE_EXIT and int(words[1]) in self.by_pid:
                 self._left(self.by_pid.pop(int(words[1])), int(words[2]))
             elif len(words) == 2 and words[0] == ZYGOTE_LOADED:

@@ -4,10 +4,10 @@ A tokenizer's vocabulary is read-only once loaded, so workers forked from one pr
 it share its pages: N local workers hold a model for about one copy instead of N (docs/sizing.md,
 "Memory"). The broker never loads a tokenizer, so this is a process of its own, started by the
 supervisor (broker/supervisor.py) with the workers' own flags; it forks before any ZeroMQ context,
-socket or thread exists (checked: a fork with a thread running could leave a lock held forever in
-the child), and each worker makes its own after the fork (workers/main.py `run`). Python objects
-are moved out of the collector's sight first (`gc.freeze`), so collections in a worker do not
-write to the pages it shares.
+socket or thread exists (it waits for any thread a load started to end: a fork with a thread
+running could leave a lock held forever in the child), and each worker makes its own after the
+fork (workers/main.py `run`). Python objects are moved out of the collector's sight first
+(`gc.freeze`), so collections in a worker do not write to the pages it shares.
 
 The supervisor drives it over a pipe pair (common/process.py has the words): "fork NAME" on stdin
 starts a worker; "forked NAME PID" and "exit PID CODE" go back on --zygote-fd, so the supervisor
@@ -25,6 +25,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 from dataclasses import replace
 
@@ -42,6 +43,7 @@ from .registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 
+SETTLE_WAIT_S = 120.0  # how long the template waits for its threads (a background load) to end before forking
 STOP_GRACE_S = 10.0  # after stdin closes, workers that have not left by then are killed
 POLL_S = 1.0  # the longest the loop sleeps: SIGCHLD and stdin wake it sooner
 
@@ -65,7 +67,14 @@ class Zygote:
 
     def settle(self) -> None:
         """Compute, before forking, what every worker would compute alike after it: the fingerprints
-        (a hash of each vocabulary) and the infos READY carries; then freeze the heap's objects."""
+        (a hash of each vocabulary) and the infos READY carries; wait for any thread loading runs (a
+        faster engine loaded in the background) to end; then freeze the heap's objects."""
+        deadline = time.monotonic() + SETTLE_WAIT_S
+        while thread_count() > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if thread_count() > 1:  # forked anyway, as os.fork does (a lock one of them holds stays held in a worker)
+            log.warning("template: %d threads still run after %.0fs (%s): forking the workers regardless",
+                        thread_count(), SETTLE_WAIT_S, ", ".join(t.name for t in threading.enumerate()))
         for model in self.registry.models:
             model.fingerprint  # noqa: B018 - computed once and kept on the model
             model.info()
@@ -142,11 +151,6 @@ class Zygote:
     # --- a worker ------------------------------------------------------------------------
 
     def _fork(self, name: str) -> None:
-        threads = thread_count()
-        if threads > 1:  # never expected: loading starts no thread. A fork now could deadlock the child.
-            log.error("template: %d threads are running: not forking worker %s", threads, name)
-            self._report(f"{ZYGOTE_FORKED} {name} 0")
-            return
         pid = os.fork()
         if pid == 0:
             code = 1
