@@ -55,6 +55,7 @@ class BrokerConfig:
     spill_wait_ms: int = 20  # a job waits this long for its full (but not overloaded) preferred worker
     worker_max_bytes: int = 1 * MiB  # payload bytes a worker holds before it gets more (past its first job)
     worker_capacity: int = 64  # jobs each local worker holds at once
+    worker_start: str = "fork"  # or "exec": how local workers start (broker/supervisor.py)
     routing: str = "affinity"  # or "least-loaded": no affinity keys at all (for comparison and debugging)
     models: ModelConfig = field(default_factory=lambda: ModelConfig(models=(ModelSpec(EMBEDDED_DEFAULT_NAME, EMBEDDED_DEFAULT),)))
     curve: CurveConfig = field(default_factory=CurveConfig)  # broker/security.py reads it
@@ -165,6 +166,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="how long a job waits for its busy preferred worker before going to another (0: never waits)")
     p.add_argument("--worker-capacity", type=positive_int, default=d.worker_capacity,
                    help="jobs each local worker holds at once: deep enough that it never waits for the broker")
+    p.add_argument("--worker-start", choices=("fork", "exec"), default=d.worker_start,
+                   help="fork: local workers fork from one process that loaded the models, and share their memory; "
+                        "exec: each worker loads its own copy")
     p.add_argument("--worker-max-bytes", type=positive_int, default=d.worker_max_bytes,
                    help="payload bytes a worker may hold before it is sent more (a huge request holds up its own worker only)")
     p.add_argument("--routing", choices=("affinity", "least-loaded"), default=d.routing,
@@ -195,6 +199,7 @@ def broker_config_from_args(a: argparse.Namespace) -> BrokerConfig:
         spill_wait_ms=a.spill_wait_ms,
         worker_max_bytes=a.worker_max_bytes,
         worker_capacity=a.worker_capacity,
+        worker_start=a.worker_start,
         models=model_config_from_args(a),
         curve=CurveConfig(a.curve_secret_key, a.curve_clients, a.curve_workers, a.curve_admins, a.insecure),
     )

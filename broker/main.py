@@ -75,7 +75,8 @@ def serve(config: BrokerConfig) -> int:
     wakeup, restore_signals = install_signal_wakeup()
     supervisor = Supervisor(count=config.workers, connect=backend_endpoint, name_prefix=f"local{os.getpid()}",
                             worker_argv=[*model_argv(config.models), "--capacity", str(config.worker_capacity),
-                                         *security.local_worker_argv(backend_endpoint)])
+                                         *security.local_worker_argv(backend_endpoint)],
+                            start_mode=config.worker_start)
     tell_peer, is_admin = admin_gate(security, config.frontend)
     broker = Broker(config, Frontend(frontend_sock, max_request_bytes=config.max_request_bytes, tell_peer=tell_peer),
                     Backend(backend_sock), supervisor, metrics, wakeup, on_hangup=security.reload, is_admin=is_admin)

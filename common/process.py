@@ -39,3 +39,24 @@ def resident_bytes() -> int:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# --- the template worker (workers/zygote.py) and the supervisor that drives it ---------------
+#
+# Local workers are forked from one template process that loaded the startup models, so they share
+# its pages (docs/sizing.md, "Memory"). The supervisor writes commands to the template's stdin, one
+# a line; the template writes reports to the pipe whose write end it was given (--zygote-fd), one a
+# line. Names and pids never hold spaces.
+
+ZYGOTE_FORK = "fork"  # supervisor -> template: "fork NAME": start a worker called NAME
+ZYGOTE_FORKED = "forked"  # template -> supervisor: "forked NAME PID"
+ZYGOTE_EXIT = "exit"  # template -> supervisor: "exit PID CODE" (CODE as Popen's returncode: -N for signal N)
+ZYGOTE_LOADED = "loaded"  # template -> supervisor: "loaded SECONDS", once its models are in memory
+
+
+def thread_count() -> int:
+    """Threads of this process (1 where /proc is not there: the caller cannot tell)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1

@@ -129,6 +129,30 @@ def socket_inodes(pid: int) -> set[int]:
     return inodes
 
 
+def children(pid: int) -> list[int]:
+    """A process's live children."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def cmdline(pid: int) -> bytes:
+    """A process's argv as /proc has it (NUL-separated), b"" once it has gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def smaps_rollup(pid: int) -> dict[str, int]:
+    """A process's memory totals in bytes (Rss, Pss, Private_Dirty...), from /proc/PID/smaps_rollup."""
+    out = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if rest.strip().endswith("kB"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
     with socket.socket() as s:
@@ -184,9 +208,16 @@ class BrokerProcess:
         return self.proc.returncode
 
     def worker_pids(self) -> list[int]:
-        """The broker's live child processes (its local workers)."""
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(x) for x in out.split()]
+        """The broker's local workers: its live child processes, or, when they fork from a template
+        (`--worker-start fork`, the default), the template's children in its place."""
+        out = []
+        for pid in children(self.proc.pid):
+            out += children(pid) if pid in self.template_pids() else [pid]
+        return out
+
+    def template_pids(self) -> list[int]:
+        """The template process local workers fork from (workers/zygote.py), if it is there."""
+        return [pid for pid in children(self.proc.pid) if b"--zygote-fd" in cmdline(pid)]
 
     def logged(self, text: str) -> bool:
         """Whether `text` occurs in what the broker (or one of its local workers) has logged so far."""
@@ -308,6 +339,6 @@ def serving(*args: str, workers: int = 1) -> Iterator[tuple[BrokerProcess, Conn]
 
 __all__ = [
     "BERT_DIR", "CHAT_TEMPLATES", "FIXTURES", "LSTRIP_DIR", "MODELS", "QWEN_TIKTOKEN", "SP_LEGACY_DIR", "BrokerProcess", "Conn", "Samples",
-    "cpu_seconds", "deepseek_tokenizer", "error_code", "deepseek_tokenizer_json", "free_port", "rss", "sample", "scrape",
-    "series", "served_tokenizer", "serving", "socket_inodes", "start_broker", "status_bytes", "until", "wait_until",
+    "children", "cmdline", "cpu_seconds", "deepseek_tokenizer", "error_code", "deepseek_tokenizer_json", "free_port", "rss", "sample", "scrape",
+    "series", "served_tokenizer", "serving", "smaps_rollup", "socket_inodes", "start_broker", "status_bytes", "until", "wait_until",
 ]

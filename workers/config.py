@@ -22,6 +22,7 @@ class WorkerConfig:
     name: str | None = None
     curve_server_key: str | None = None  # the broker's public .key (common/curve.py)
     curve_secret_key: str | None = None  # this worker's own .key_secret
+    zygote_fd: int | None = None  # set: be the template local workers fork from, reporting on this fd
 
 
 # --- argv --------------------------------------------------------------------------------
@@ -35,6 +36,7 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="worker name shown in replies and metrics")
     p.add_argument("--curve-server-key", metavar="FILE", help="the broker's public .key: connect with CURVE")
     p.add_argument("--curve-secret-key", metavar="FILE", help="this worker's own .key_secret (its .key is in the broker's --curve-workers)")
+    p.add_argument("--zygote-fd", type=int, default=None, help=argparse.SUPPRESS)  # the supervisor's, never a person's
 
 
 def worker_config_from_args(a: argparse.Namespace) -> WorkerConfig:
@@ -46,4 +48,5 @@ def worker_config_from_args(a: argparse.Namespace) -> WorkerConfig:
     except CurveKeyError as e:
         raise SystemExit(f"tokenbroker: {e}") from None
     return WorkerConfig(connect=a.connect, models=model_config_from_args(a), capacity=a.capacity, name=a.name,
-                        curve_server_key=a.curve_server_key, curve_secret_key=a.curve_secret_key)
+                        curve_server_key=a.curve_server_key, curve_secret_key=a.curve_secret_key,
+                        zygote_fd=a.zygote_fd)

@@ -298,13 +298,25 @@ class Worker:
 
 
 def serve(config: WorkerConfig) -> int:
+    """`tokenbroker worker`: load the startup models, then serve (or, with --zygote-fd, be the
+    template that local workers are forked from: workers/zygote.py)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(process)d %(levelname)s %(name)s: %(message)s")
-    name = config.name or f"{socket.gethostname()}-{os.getpid()}"
     try:
         registry = ModelRegistry(config.models)
     except BootError as e:
         print(f"tokenbroker worker: cannot load tokenizers: {e}", file=sys.stderr, flush=True)
         return EXIT_BOOT_ERROR
+    if config.zygote_fd is not None:
+        from .zygote import Zygote
+
+        return Zygote(config, registry).run()
+    return run(config, registry)
+
+
+def run(config: WorkerConfig, registry: ModelRegistry) -> int:
+    """Serve with models already loaded: here, or in the template this process was forked from, which
+    created no ZeroMQ context, socket or thread (each worker makes its own here)."""
+    name = config.name or f"{socket.gethostname()}-{os.getpid()}"
     ctx = zmq.Context()
     worker = Worker(ctx, config, name, Ops(registry, name), registry)
     def leave(*_: object) -> None:

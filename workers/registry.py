@@ -171,7 +171,9 @@ class ModelRegistry:
         self._config = config
         specs = config.models[:1] if config.max_models > 0 else config.models
         self._default_name = config.models[0].name
-        self.models: list[Model] = [load_model(spec, config.cache) for spec in specs]
+        self.models: list[Model] = []
+        for spec in specs:
+            self.models.append(self._once(load_model(spec, config.cache)))
         self._by_name: dict[str, Model] = {}
         for m in self.models:
             for n in m.names:
@@ -179,6 +181,20 @@ class ModelRegistry:
         self._map = TokenizerMap(config.tokenizer_map)
         self._extras: dict[str, Model | None] = {}
         self._extras_lock = threading.Lock()
+
+    def _once(self, model: Model) -> Model:
+        """A startup model whose tokenizer another one already loaded (same fingerprint: two names
+        for one file, or copies of it) is served by that one, as a B_LOAD would: one copy held."""
+        twin = self.twin(model.fingerprint)
+        if twin is None:
+            return model
+        log.info("model %s: served with the tokenizer of model %s (same fingerprint)", model.name, twin.name)
+        spec = model.spec
+        del model
+        from .loader import release_memory  # loader.py imports this module
+
+        release_memory()
+        return twin.sharing(spec)
 
     @property
     def l0_enabled(self) -> bool:
