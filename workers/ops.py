@@ -269,6 +269,12 @@ class Ops:
 
     def op_detokenize_stream(self, p: dict, model_name: str | None, fmt: str) -> dict:
         """Many sequences' next ids -> text deltas and states (workers/stream.py); touches no cache."""
+        columns = p.get("columns")
+        if columns is not None:  # the columnar form (1.2): a few byte strings instead of a map per sequence
+            if p.get("seqs") is not None:
+                raise ProtocolError("bad_request", "give 'seqs' or 'columns', not both")
+            model = self.registry.resolve(model_name)
+            return model.stream_decoder().run_columns(columns, self.limits.max_batch_items)
         seqs = req(p, "seqs", list)
         self._batch_items(seqs, "seqs")
         model = self.registry.resolve(model_name)

@@ -28,12 +28,14 @@ the next step skips the MAC and, when nothing changed, returns the same state by
 from __future__ import annotations
 
 import struct
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import type_name
 
+from .stream_columns import FINISHED_CODE, Columns, columns_reply, read_columns
 from .stream_state import MAX_PENDING_IDS, MAX_STOP_CHARS, MAX_STOP_STRINGS, Options, SeqState, pack_state, state_key, unpack_state
 from .stream_text import stop_scan, unfinished_start, valid_utf8
 from .stream_vocab import anchor_token, byte_fallback_ids, byte_level_table, tiktoken_table
@@ -47,6 +49,7 @@ GROW_IDS = 3
 _RECENT_MAX = 1 << 14  # window states made here and kept parsed (a few hundred bytes each)
 REPLACEMENT = "\ufffd"
 _KNOWN_MAX = 1 << 14  # byte-table states kept, each a few dozen bytes plus its options
+_DEFAULT_OPTIONS = Options()  # a sequence that starts with no option (a columnar state of length 0)
 _KEPT_STATE_BYTES = 640  # states are kept (known, recent) only up to this size: both caches stay within ~40 MiB
 
 
@@ -85,6 +88,14 @@ class StreamDecoder:
         # byte-table states made or verified here: state -> (options, pending bytes, held text), and back
         self._known: dict[bytes, tuple[Options, bytes, str]] = {}
         self._by_content: dict[tuple[Options, bytes, str], bytes] = {}
+        # The state of a sequence with default options and nothing held, the same for all of them, and
+        # each id's text from that state when it leaves the state unchanged (its bytes are whole
+        # characters; b"" for a skipped special id; None otherwise): a columnar step's common case.
+        self.plain_state = pack_state(SeqState(_DEFAULT_OPTIONS), self.key)
+        self.plain_text: list[bytes | None] | None = None
+        if self.table is not None:
+            self.plain_text = [b"" if i in self.skip_ids else (b if b is not None and valid_utf8(b) else None)
+                               for i, b in enumerate(self.table)]
         # window states made here: state -> what it holds, so the next step need not verify it
         self._recent: dict[bytes, tuple] = {}
         # one token that stands in for any context ending in a released non-byte token (see stream_vocab)
@@ -108,6 +119,111 @@ class StreamDecoder:
             self._window_finish(windows)
         return [self._reply(s) for s in steps]
 
+    # --- one columnar request (contract 1.2) ----------------------------------------------
+
+    def run_columns(self, cols: Any, max_items: int) -> dict:
+        """A columnar step: the same results as `run` on the equivalent `seqs`, as the reply's `columns`.
+
+        One pass over the buffers; a byte-table model serves the common sequence (a state seen
+        before, no final, no stop id) inline, as `_table_fast` does for a map, and sends any
+        other through the row form's own steps, so both forms agree by construction.
+        """
+        c = read_columns(cols, max_items)
+        self._check_column_ids(c)
+        if self.table is not None:
+            return self._table_columns(c)
+        steps = [self._column_step(c, i) for i in range(c.n)]
+        windows = [s for s in steps if self._window_prepare(s)]
+        if windows:
+            self._window_finish(windows)
+        texts, states, finished, stops = [], [], bytearray(c.n), {}
+        for s in steps:
+            text, state, how, stop = self._result(s)
+            texts.append(text.encode())
+            states.append(state or b"")
+            if how is not None:
+                finished[s.index] = FINISHED_CODE[how]
+                if stop is not None:
+                    stops[s.index] = stop
+        return columns_reply(texts, states, finished, stops)
+
+    def _check_column_ids(self, c: Columns) -> None:
+        ids = c.ids
+        if ids and (max(ids) >= self.vocab_size or (self.unassigned and not self.unassigned.isdisjoint(ids))):
+            try:
+                check_ids(ids, self.vocab_size, self.unassigned)
+            except InvalidTokenId as e:
+                i = bisect_right(c.id_starts, e.index) - 1 if c.id_starts else e.index
+                raise ProtocolError("invalid_input", f"field 'columns.tokens[{e.index}]': sequence {i}: {e}") from e
+
+    def _column_step(self, c: Columns, i: int) -> _Step:
+        """Sequence i of a columnar request as the row form's step (its state verified as there)."""
+        ids = c.ids[i:i + 1] if c.id_starts is None else c.ids[c.id_starts[i]:c.id_starts[i + 1]]
+        final = c.final is not None and c.final[i] == 1
+        raw_state = c.states[i]
+        if not raw_state:
+            return self._begin(i, ids, final, SeqState(_DEFAULT_OPTIONS), None, None)
+        return self._continue(i, ids, final, raw_state, "columns.states")
+
+    def _table_columns(self, c: Columns) -> dict:
+        """The byte-table decoder over a columnar step; mirrors `_table_fast` and `_table_slow`."""
+        table, known, skip_ids = self.table, self._known, self.skip_ids
+        ids, id_starts, final = c.ids, c.id_starts, c.final
+        default = (_DEFAULT_OPTIONS, b"", "")
+        texts: list[bytes] = []
+        states: list[bytes] = []
+        finished, stops = bytearray(c.n), {}
+        fast_texts = False  # some text is raw table bytes, not yet checked to be valid UTF-8
+        plain_state, plain_text = self.plain_state, self.plain_text
+        add_text, add_state = texts.append, states.append
+        one_each = id_starts is None
+        for i, raw_state in enumerate(c.states):
+            if one_each and final is None and (raw_state == plain_state or not raw_state):
+                piece = plain_text[ids[i]]  # type: ignore[index]
+                if piece is not None:  # the common step: whole characters, nothing held, the state unchanged
+                    add_text(piece)
+                    add_state(plain_state)
+                    continue
+            k = known.get(raw_state) if raw_state else default
+            if k is not None and (final is None or not final[i]):
+                options, pending, held = k
+                seq = ids[i:i + 1] if id_starts is None else ids[id_starts[i]:id_starts[i + 1]]
+                if not (options.stop_token_ids and not options.stop_token_ids.isdisjoint(seq)):
+                    if options.skip_special_tokens and skip_ids and not skip_ids.isdisjoint(seq):
+                        seq = [t for t in seq if t not in skip_ids]
+                    data = pending + b"".join([table[t] for t in seq])  # type: ignore[index, misc]
+                    cut = len(data) if not data or data[-1] < 0x80 else unfinished_start(data)
+                    rest = data[cut:]
+                    if options.stop:
+                        text, matched, now_held = stop_scan(held, data[:cut].decode("utf-8", "replace"), options, False)
+                        texts.append(text.encode())
+                        if matched is not None:
+                            states.append(b"")
+                            finished[i] = 1
+                            stops[i] = matched
+                            continue
+                    else:
+                        texts.append(data[:cut] if cut < len(data) else data)
+                        fast_texts = True
+                        now_held = held
+                    if rest == pending and now_held == held and raw_state:
+                        states.append(raw_state)
+                    else:
+                        states.append(self._table_state(options, rest, now_held))
+                    continue
+            s = self._column_step(c, i)
+            s.text = self._table_step(s)
+            text, state, how, stop = self._result(s)
+            texts.append(text.encode())
+            states.append(state or b"")
+            if how is not None:
+                finished[i] = FINISHED_CODE[how]
+                if stop is not None:
+                    stops[i] = stop
+        if fast_texts:
+            _valid_texts(texts)
+        return columns_reply(texts, states, finished, stops)
+
     def _read(self, i: int, m: Any) -> _Step:
         if type(m) is not dict:
             raise ProtocolError("bad_request", f"field 'seqs[{i}]' must be a map, got {type_name(m)}")
@@ -125,19 +241,25 @@ class StreamDecoder:
         elif type(final) is not bool:
             raise ProtocolError("bad_request", f"field 'seqs[{i}].final' must be bool, got {type_name(final)}")
         raw_state = m.get("state")
-        made = None
         if raw_state is None:
-            state = self._first_state(m, i)
-        elif type(raw_state) is bytes:
-            made = self._recent.get(raw_state)
-            if made is not None:  # made here, so verified: skip the MAC and the parse
-                state = SeqState(*made)
-            else:
-                state = unpack_state(raw_state, self.key, i)
-                if state.context or state.pending:
-                    self._check_state_ids(state, i)
-        else:
+            return self._begin(i, ids, final, self._first_state(m, i), None, None)
+        if type(raw_state) is not bytes:
             raise ProtocolError("bad_request", f"field 'seqs[{i}].state' must be bin or nil, got {type_name(raw_state)}")
+        return self._continue(i, ids, final, raw_state, f"seqs[{i}].state")
+
+    def _continue(self, i: int, ids: list[int], final: bool, raw_state: bytes, where: str) -> _Step:
+        """A step from a state: kept parsed when this worker made it, else verified and read."""
+        made = self._recent.get(raw_state)
+        if made is not None:  # made here, so verified: skip the MAC and the parse
+            state = SeqState(*made)
+        else:
+            state = unpack_state(raw_state, self.key, i, where)
+            if state.context or state.pending:
+                self._check_state_ids(state, i, where)
+        return self._begin(i, ids, final, state, made, raw_state)
+
+    def _begin(self, i: int, ids: list[int], final: bool, state: SeqState, made: tuple | None,
+               raw_state: bytes | None) -> _Step:
         options = state.options
         stop_id = None
         if options.stop_token_ids and not options.stop_token_ids.isdisjoint(ids):
@@ -197,12 +319,12 @@ class StreamDecoder:
             self._prompt_context(state, ids)
         return state
 
-    def _check_state_ids(self, state: SeqState, i: int) -> None:
+    def _check_state_ids(self, state: SeqState, i: int, where: str) -> None:
         """A forged state is well-formed but may name ids outside the vocabulary: refuse, never crash."""
         try:
             check_ids(state.context + state.pending, self.vocab_size, self.unassigned)
         except InvalidTokenId as e:
-            raise ProtocolError("invalid_input", f"field 'seqs[{i}].state': sequence {i}: holds {e}") from e
+            raise ProtocolError("invalid_input", f"field '{where}': sequence {i}: holds {e}") from e
 
     # --- byte table ----------------------------------------------------------------------
 
@@ -395,27 +517,48 @@ class StreamDecoder:
     # --- stop strings and the reply ------------------------------------------------------
 
     def _reply(self, s: _Step) -> dict:
+        text, state, finished, stop = self._result(s)
+        return {"text": text, "state": state, "finished": finished, "stop": stop}
+
+    def _result(self, s: _Step) -> tuple[str, bytes | None, str | None, str | int | None]:
+        """A served step as (text, state, finished, stop), which both wire forms carry."""
         st, opts = s.state, s.state.options
         text, matched = s.text, None
         if opts.stop:
             text, matched = _apply_stops(st, text, opts, s.flush)
         if matched is not None:
-            return {"text": text, "state": None, "finished": "stop", "stop": matched}
+            return text, None, "stop", matched
         if s.stop_id is not None:
-            return {"text": text, "state": None, "finished": "stop", "stop": s.stop_id}
+            return text, None, "stop", s.stop_id
         if s.final:
-            return {"text": text, "state": None, "finished": "final", "stop": None}
+            return text, None, "final", None
         if self.table is not None:
-            return {"text": text, "state": self._table_state(opts, st.pending_bytes, st.held), "finished": None, "stop": None}
+            return text, self._table_state(opts, st.pending_bytes, st.held), None, None
         holds = (opts, st.context, st.pending, st.pending_bytes, st.held, st.base_len)
         if holds == s.made:  # nothing changed (an anchored context, nothing held): the same state again
-            return {"text": text, "state": s.raw_state, "finished": None, "stop": None}
+            return text, s.raw_state, None, None
         state = pack_state(st, self.key)
         if len(state) <= _KEPT_STATE_BYTES:
             if len(self._recent) >= _RECENT_MAX:
                 self._recent.clear()
             self._recent[state] = holds
-        return {"text": text, "state": state, "finished": None, "stop": None}
+        return text, state, None, None
+
+
+def _valid_texts(texts: list[bytes]) -> None:
+    """Raw table bytes as the row form shows them: each piece decoded with replacement, in place.
+
+    A piece never ends inside a character a later byte could complete (its tail is held back),
+    so the concatenation is valid UTF-8 exactly when every piece is: one check for the whole step.
+    """
+    joined = b"".join(texts)
+    if joined.isascii():
+        return
+    try:
+        joined.decode("utf-8")
+    except UnicodeDecodeError:
+        for j, t in enumerate(texts):
+            texts[j] = t.decode("utf-8", "replace").encode()
 
 
 def _apply_stops(st: SeqState, new: str, opts: Options, flush: bool) -> tuple[str, str | None]:

@@ -151,7 +151,7 @@ class Core:
         if not link.alive:
             self._revive(link)
         try:
-            reply = msgpack.unpackb(payload, raw=False)
+            reply = msgpack.unpackb(payload, raw=False, strict_map_key=False)  # columnar stream replies key `stops` by index
             rid = reply.get("id")
         except Exception:  # not ours to judge: a reply we cannot read is dropped like a stray one
             link.dropped += 1
