@@ -395,6 +395,7 @@ class Broker:
             ),
             router=self.router.stats(),
             models=self._model_snapshot(),
+            stopping=self.stopping_since is not None,
         )
 
     # --- the model catalog (docs/protocol.md "The model catalog") ----------------------

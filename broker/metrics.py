@@ -5,18 +5,27 @@ scrapes run on the HTTP thread and read only that snapshot (never live loop stru
 per incarnation (one worker process) with their heartbeats; `Ledger` keeps the highest seen per
 incarnation, so a repeated or late report does no harm and a departed worker's counts stay in the
 totals while its gauges go: counters never fall. docs/metrics.md lists the series and the queries.
+
+The same HTTP server answers the orchestrator's probes (docs/deploy.md "Probes"): `/live` while the
+loop turns (it published within LIVE_WITHIN_S), `/ready` while it turns and is not stopping. The
+server starts only once every local worker has loaded its tokenizers and the frontend is bound,
+so a broker still booting answers neither.
 """
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Iterable, Iterator, Mapping
+from socketserver import ThreadingMixIn
+from typing import Any, Callable, Iterable, Iterator, Mapping
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from bisect import bisect_left
 
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from tokenbroker.common.process import resident_bytes
@@ -35,6 +44,8 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
                    1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))  # a tokenizer load
 RETIRED_KEEP = 4096  # departed incarnations remembered one by one; older ones fold into a baseline
+LIVE_WITHIN_S = 5.0  # the loop publishes at least once a second (its poll wakes every second): older means stuck
+PROBES = ("/live", "/ready")
 # Router counters exported as tokenbroker_router_picks_total{how}: stats key -> label value.
 ROUTER_PICKS = {"affinity_hits": "affinity", "rendezvous": "rendezvous", "spills": "spill",
                 "overflows": "overflow", "unkeyed": "unkeyed"}
@@ -257,6 +268,7 @@ class PoolMetrics:
             self.auth_failures.labels(sock)  # both series exist from the start, at 0
         self.started = time.time()
         self._snapshot = PoolSnapshot()
+        self._published_at: float | None = None  # monotonic time of the loop's last publish: /live
         self._ledger = Ledger(retired_keep)
         self._lock = threading.Lock()
         self._server: Any = None
@@ -335,6 +347,42 @@ class PoolMetrics:
     def publish(self, snapshot: PoolSnapshot) -> None:
         """Called every loop turn: only swaps a reference; scrapes do the work."""
         self._snapshot = snapshot
+        self._published_at = time.monotonic()
+
+    # --- probes (HTTP thread) -----------------------------------------------------------
+
+    def health(self, path: str) -> tuple[bool, dict[str, Any]]:
+        """`/live` or `/ready`: whether it passes, and what it saw (the probe's JSON body).
+
+        Live: the loop published within LIVE_WITHIN_S. Ready: live, and not stopping (a broker
+        draining after SIGTERM answers what it holds but takes nothing new, so it leaves the Service).
+        """
+        snapshot, at = self._snapshot, self._published_at
+        age = None if at is None else time.monotonic() - at
+        live = age is not None and age <= LIVE_WITHIN_S
+        ready = live and not snapshot.stopping
+        body = {"live": live, "ready": ready, "stopping": snapshot.stopping,
+                "loop_age_s": None if age is None else round(age, 3),
+                "workers": sum(1 for w in snapshot.workers if w.state != "draining"),
+                "queue_depth": snapshot.queue_depth}
+        return (live if path == "/live" else ready), body
+
+    def _app(self) -> Callable:
+        """The exporter's WSGI app: the probes, and the metrics on every other path (as before)."""
+        metrics = make_wsgi_app(self.registry)
+
+        def app(environ: dict, start_response: Callable) -> list[bytes]:
+            path = environ.get("PATH_INFO", "")
+            if path not in PROBES:
+                return metrics(environ, start_response)
+            ok, body = self.health(path)
+            data = json.dumps(body).encode() + b"\n"
+            start_response("200 OK" if ok else "503 Service Unavailable",
+                           [("Content-Type", "application/json"), ("Content-Length", str(len(data))),
+                            ("Cache-Control", "no-store")])
+            return [data]
+
+        return app
 
     # --- read by scrapes (HTTP thread) -------------------------------------------------
 
@@ -350,8 +398,11 @@ class PoolMetrics:
         return snapshot, totals
 
     def serve(self, host: str, port: int) -> str:
-        """Start the HTTP exporter on a daemon thread; returns the URL it answers at."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        """Start the HTTP exporter (metrics and probes) on a daemon thread; returns the metrics URL."""
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        server_class = type("ExporterServer", (_ExporterServer,), {"address_family": family})
+        self._server = make_server(sockaddr[0], port, self._app(), server_class, handler_class=_QuietHandler)
+        threading.Thread(target=self._server.serve_forever, name="tokenbroker-exporter", daemon=True).start()
         bound = self._server.server_address[1]
         shown = f"[{host}]" if ":" in host else host
         return f"http://{shown}:{bound}/metrics"
@@ -361,3 +412,16 @@ class PoolMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _ExporterServer(ThreadingMixIn, WSGIServer):
+    """One thread per scrape or probe, none of them keeping the process alive."""
+
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log: a probe every few seconds would fill the broker's log."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass

@@ -45,3 +45,4 @@ class PoolSnapshot:
     workers: tuple[WorkerView, ...] = ()
     router: Mapping[str, int] = field(default_factory=dict)  # Router.stats()
     models: Mapping[str, ModelView] = field(default_factory=dict)  # catalog model name -> its view
+    stopping: bool = False  # told to stop: answering what it holds, taking nothing new (/ready fails)
