@@ -304,11 +304,17 @@ class Catalog:
         tok = outcome.ticket.tokenizer
         if outcome.engine is None or not self.registry.holds(tok):
             return
-        tok.fast = outcome.engine
-        for cache in {id(m.cache): m.cache for m in self.registry.models if m.tokenizer is tok}.values():
-            cache.fast_engine_serves()
+        serve_fast(self.registry, tok, outcome.engine)
         log.info("model %s: now served by %s (engine ready %.2fs after its load)", outcome.ticket.name,
                  tok.backend, outcome.seconds)
+
+
+def serve_fast(registry: ModelRegistry, tok: Tokenizer, engine: FastEngine) -> None:
+    """Serve `tok` with `engine` from now on: every model of the registry that shares it lets its L1
+    go (re-encoding with fastokens costs less than L1's cuts and copies)."""
+    tok.fast = engine
+    for cache in {id(m.cache): m.cache for m in registry.models if m.tokenizer is tok}.values():
+        cache.fast_engine_serves()
 
 
 def release_memory() -> None:

@@ -39,6 +39,8 @@ from tokenbroker.common.process import (
 )
 
 from .config import WorkerConfig
+from .engine import speed_up
+from .loader import serve_fast
 from .registry import ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -75,11 +77,27 @@ class Zygote:
         if thread_count() > 1:  # forked anyway, as os.fork does (a lock one of them holds stays held in a worker)
             log.warning("template: %d threads still run after %.0fs (%s): forking the workers regardless",
                         thread_count(), SETTLE_WAIT_S, ", ".join(t.name for t in threading.enumerate()))
+        self._speed_up()
         for model in self.registry.models:
             model.fingerprint  # noqa: B018 - computed once and kept on the model
             model.info()
         gc.collect()
         gc.freeze()  # what exists now is never scanned (nor written to) by a worker's collector
+
+    def _speed_up(self) -> None:
+        """Build and probe the fast engine of every startup tokenizer here, before the first fork, so
+        the workers share its pages too (DeepSeek's fastokens is ~118 MiB: built after the fork, every
+        worker would hold its own copy and spend its own seconds of CPU building it). The pool is
+        ready a few seconds later; a forked worker then has nothing to build (its loader sees `fast`
+        set)."""
+        mode = self.registry.backend_mode
+        if mode == "reference":
+            return
+        for tok in {id(m.tokenizer): m.tokenizer for m in self.registry.models}.values():
+            if tok.fast is None:
+                engine, _ = speed_up(tok, mode)  # logs what it chose and why
+                if engine is not None:
+                    serve_fast(self.registry, tok, engine)
 
     # --- the loop ------------------------------------------------------------------------
 

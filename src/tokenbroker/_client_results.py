@@ -250,6 +250,7 @@ class ModelInfo:
     eos_token: str | None = None
     model_max_length: int | None = None
     added_tokens: int | None = None
+    backend: str | None = None  # (1.2) the library that encodes it: "fastokens", "tokenizers", "tiktoken"
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +317,7 @@ def models(reply: dict) -> list[ModelInfo]:
         chat_template=bool(m.get("chat_template")), cached=bool(m.get("cached")),
         fingerprint=m.get("fingerprint"), state=m.get("state"), error=m.get("error"), workers=m.get("workers"),
         bos_token=m.get("bos_token"), eos_token=m.get("eos_token"), model_max_length=m.get("model_max_length"),
-        added_tokens=m.get("added_tokens"),
+        added_tokens=m.get("added_tokens"), backend=m.get("backend"),
     ) for m in reply["models"]]
 
 
