@@ -142,7 +142,9 @@ def test_a_worker_serves_at_once_then_switches_to_fastokens_and_models_says_whic
     """Auto: DeepSeek and the lstrip/rstrip BPE switch to fastokens in the background; the legacy
     SentencePiece BPE (a probe fails) and BERT (refused) stay on tokenizers; ids never change."""
     legacy, lstrip = str(SP_LEGACY_DIR / "tokenizer.json"), str(LSTRIP_DIR / "tokenizer.json")
-    with serving("--tokenizer-backend", "auto", "--metrics-port", str(free_port()),
+    # exec: each worker loads its own models, serves them at once and switches in its loader thread
+    # (forked workers get their fast engines built by the template before the fork: the test below).
+    with serving("--tokenizer-backend", "auto", "--worker-start", "exec", "--metrics-port", str(free_port()),
                  "--model-path", EMBEDDED_DEFAULT, "--model", f"legacy={legacy}", "--model", f"lstrip={lstrip}",
                  "--model", f"bert={BERT_DIR}", "--tokenizer-cache-enable-l0", "--tokenizer-cache-enable-l1") as (broker, conn):
         text = "<｜User｜>hello  world<｜Assistant｜>" * 3
@@ -180,3 +182,14 @@ def test_a_worker_serves_at_once_then_switches_to_fastokens_and_models_says_whic
 def test_the_reference_backend_flag_keeps_every_model_on_its_library() -> None:
     with serving("--tokenizer-backend", "reference", "--model-path", EMBEDDED_DEFAULT, "--model", "o200k=o200k_base") as (_, conn):
         assert _backends(conn) == {"deepseek": "tokenizers", "o200k": "tiktoken"}
+
+
+def test_forked_workers_start_on_the_fast_engine_the_template_built() -> None:
+    """Fork (the default): the template builds and probes fastokens before it forks, so every worker
+    serves with it from its first request (and shares its pages); the ids are the reference's."""
+    with serving("--tokenizer-backend", "auto", "--model-path", EMBEDDED_DEFAULT, workers=2) as (broker, conn):
+        assert _backends(conn)["deepseek"] == "fastokens"
+        assert not broker.logged("now served by fastokens")  # nothing switched after the fork
+        text = "<｜User｜>hello  world<｜Assistant｜> Bonjour 🙂"
+        for _ in range(4):  # both workers
+            assert conn.call("tokenize", text=text)["tokens"] == reference(EMBEDDED_DEFAULT).encode(text)

@@ -59,7 +59,7 @@ def test_request_dying_with_two_workers_is_answered_worker_failed():
         c.send({"id": "big", "op": "tokenize", "text": "word " * 3_000_000, "deadline_ms": 120000})
         for _ in range(2):
             wait_until(lambda: probe.call("ping")["workers"] == 1, what="a ready worker")
-            pids = broker.worker_pids()
+            pids = wait_until(lambda: broker.worker_pids() or None, what="the ready worker's pid")  # forked: it may show a turn later
             wait_until(lambda: _holds_a_job(broker, pids[0]), what="the queued job at the ready worker")
             os.kill(pids[0], signal.SIGKILL)
             wait_until(lambda: broker.worker_pids() and broker.worker_pids() != pids, what="respawn")
