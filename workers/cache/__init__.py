@@ -62,13 +62,14 @@ class TokenCache:
         return reason
 
     def fast_engine_serves(self) -> None:
-        """The tokenizer is now served by its fast engine (workers/engine.py): L1 goes. Re-encoding
-        with fastokens costs less than L1's cutting, digests and copies (scripts/bench_engine, agent
-        traffic: 1.9x the CPU with L1 than with L0 alone), and what L1 held is freed. L0 stays."""
+        """The tokenizer is now served by its fast engine (workers/engine.py, whose probes also check
+        `encode_ordinary`, what L1 encodes its pieces with). L0 and L1 stay as the operator configured
+        them: the reply's `cache` fields keep their meaning. With fastokens, L1 costs more than it saves
+        on agent traffic (scripts/bench_engine: 1.9x the CPU of L0 alone), so docs/sizing.md advises
+        leaving it off where fastokens serves."""
         if self._l1 is not None:
-            self._l1 = None
-            self.l1_bypass_reason = "the fast engine (fastokens) re-encodes faster than L1 reuses prefixes"
-            log.info("tokenizer %s: L1 let go: %s", self.name or "?", self.l1_bypass_reason)
+            log.info("tokenizer %s: served by fastokens with L1 on: L1 re-encodes less but costs more than "
+                     "fastokens' own encode on most traffic (docs/sizing.md)", self.name or "?")
 
     def encode_u32(self, text: str, add_special_tokens: bool = True) -> tuple[bytes, CacheOutcome]:
         """`encode`'s ids as little-endian uint32 bytes: without L1, built and kept without an int
