@@ -44,20 +44,18 @@ class L0Cache:
 
     def get(self, text: str, add_special_tokens: bool) -> list[int] | None:
         """A fresh list of the cached ids, or None (a miss, counted)."""
-        key = (text, add_special_tokens)
-        with self._lock:
-            entry = self._map.get(key)
-            if entry is None:
-                self._stats.misses += 1
-                return None
-            self._map.move_to_end(key)
-            self._stats.hits += 1
-            self._stats.reused_bytes += entry.utf8_len
-            ids = entry.ids
-        return ids.tolist()
+        ids = self._hit(text, add_special_tokens)
+        return None if ids is None else ids.tolist()
 
     def get_u32(self, text: str, add_special_tokens: bool) -> bytes | None:
         """The cached ids as little-endian uint32 bytes (one copy, no int per id), or None (a miss)."""
+        ids = self._hit(text, add_special_tokens)
+        if ids is None:
+            return None
+        return ids.tobytes() if _LITTLE else _swapped(ids)
+
+    def _hit(self, text: str, add_special_tokens: bool) -> array | None:
+        """The stored ids of `text`, counted as a hit and made most recent; None, counted as a miss."""
         key = (text, add_special_tokens)
         with self._lock:
             entry = self._map.get(key)
@@ -67,8 +65,7 @@ class L0Cache:
             self._map.move_to_end(key)
             self._stats.hits += 1
             self._stats.reused_bytes += entry.utf8_len
-            ids = entry.ids
-        return ids.tobytes() if _LITTLE else _swapped(ids)
+            return entry.ids
 
     def put_u32(self, text: str, add_special_tokens: bool, packed: bytes) -> None:
         """Keep little-endian uint32 `packed` ids for `text`: copied into the store as they are."""
