@@ -60,3 +60,13 @@ def thread_count() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return 1
+
+
+def drain_pipe(fd: int) -> None:
+    """Read a non-blocking wake-up pipe empty: its bytes only said "look", and the next write must
+    wake the next poll (the loader's, the lanes' and the template's pipes)."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass

@@ -337,8 +337,19 @@ def serving(*args: str, workers: int = 1) -> Iterator[tuple[BrokerProcess, Conn]
         broker.stop()
 
 
+def batch_ids(endpoint: str, items: list[str]) -> list[list[int]]:
+    """What the raw protocol gives for these texts: one batch `tokenize` on a connection of its own."""
+    conn = Conn(endpoint)
+    try:
+        reply = conn.call("tokenize", text=items)
+        assert reply["ok"], reply
+        return reply["tokens"]
+    finally:
+        conn.close()
+
+
 __all__ = [
-    "BERT_DIR", "CHAT_TEMPLATES", "FIXTURES", "LSTRIP_DIR", "MODELS", "QWEN_TIKTOKEN", "SP_LEGACY_DIR", "BrokerProcess", "Conn", "Samples",
+    "BERT_DIR", "CHAT_TEMPLATES", "FIXTURES", "LSTRIP_DIR", "MODELS", "QWEN_TIKTOKEN", "SP_LEGACY_DIR", "BrokerProcess", "Conn", "Samples", "batch_ids",
     "children", "cmdline", "cpu_seconds", "deepseek_tokenizer", "error_code", "deepseek_tokenizer_json", "free_port", "rss", "sample", "scrape",
     "series", "served_tokenizer", "serving", "smaps_rollup", "socket_inodes", "start_broker", "status_bytes", "until", "wait_until",
 ]

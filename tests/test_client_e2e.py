@@ -24,6 +24,7 @@ import zmq.auth
 
 import tokenbroker as tb
 from helpers import (
+    batch_ids,
     BERT_DIR,
     CHAT_TEMPLATES,
     QWEN_TIKTOKEN,
@@ -42,17 +43,6 @@ def texts(n: int, size: int = 1) -> list[str]:
     return [f"request number {i}: " + "the quick brown fox jumps over the lazy dog " * size for i in range(n)]
 
 
-def expected_ids(endpoint: str, items: list[str]) -> list[list[int]]:
-    """What the raw protocol gives for these texts (one batch request)."""
-    conn = Conn(endpoint)
-    try:
-        reply = conn.call("tokenize", text=items)
-        assert reply["ok"], reply
-        return reply["tokens"]
-    finally:
-        conn.close()
-
-
 @pytest.fixture(scope="module")
 def broker():
     """One worker (so `worker` matches between raw and client), a chat template, three tokenizers."""
@@ -68,7 +58,7 @@ def broker():
 
 def test_a_thousand_concurrent_calls_are_matched_to_their_futures(broker):
     items = texts(1000)
-    want = expected_ids(broker.endpoint, items)
+    want = batch_ids(broker.endpoint, items)
 
     async def main() -> list[tb.Tokens]:
         async with tb.AsyncClient(broker.endpoint) as client:
@@ -84,7 +74,7 @@ def test_a_thousand_concurrent_calls_are_matched_to_their_futures(broker):
 
 def test_the_sync_client_pipelines_a_batch_with_map_and_submit(broker):
     items = texts(300)
-    want = expected_ids(broker.endpoint, items)
+    want = batch_ids(broker.endpoint, items)
     with tb.Client(broker.endpoint, ids="list") as client:
         assert [r.tokens for r in client.map(client.aio.tokenize, items)] == want
         futures = [client.submit(client.aio.tokenize(t)) for t in items]
@@ -100,7 +90,7 @@ def test_the_sync_client_works_from_another_thread(broker):
         t = threading.Thread(target=lambda: out.append(client.tokenize("from a thread").tokens.tolist()))
         t.start()
         t.join(60)
-    assert out == expected_ids(broker.endpoint, ["from a thread"])
+    assert out == batch_ids(broker.endpoint, ["from a thread"])
 
 
 # --- parity with the raw protocol --------------------------------------------------------------
@@ -324,7 +314,7 @@ def test_a_broker_killed_under_load_is_left_and_every_call_is_answered_once_by_t
     a, b = start_broker(workers=1), start_broker(workers=1)
     try:
         items = texts(1500, size=20)
-        want = expected_ids(b.endpoint, items)
+        want = batch_ids(b.endpoint, items)
 
         async def main() -> None:
             async with tb.AsyncClient([a.endpoint, b.endpoint], liveness_s=0.5) as client:
@@ -351,7 +341,7 @@ def test_overloaded_is_retried_with_backoff_until_served():
     b = start_broker("--max-pending", "1", workers=1)
     try:
         items = texts(300, size=10)
-        want = expected_ids(b.endpoint, items)
+        want = batch_ids(b.endpoint, items)
 
         async def main() -> None:
             async with tb.AsyncClient(b.endpoint, timeout=120) as client:
@@ -368,7 +358,7 @@ def test_overloaded_is_retried_with_backoff_until_served():
 
 def test_cancelled_calls_leave_nothing_behind_and_their_late_replies_are_dropped(broker):
     items = texts(1000, size=5)
-    want = expected_ids(broker.endpoint, items)
+    want = batch_ids(broker.endpoint, items)
 
     async def main() -> None:
         async with tb.AsyncClient(broker.endpoint) as client:
@@ -537,7 +527,7 @@ def test_calls_keep_being_answered_while_a_broker_shuts_down():
     a, b = start_broker(workers=1), start_broker(workers=1)
     try:
         items = texts(200, size=5)
-        want = expected_ids(b.endpoint, items)
+        want = batch_ids(b.endpoint, items)
 
         async def main() -> None:
             async with tb.AsyncClient([a.endpoint, b.endpoint], timeout=120, liveness_s=0.5) as client:

@@ -13,21 +13,11 @@ import signal
 import pytest
 
 import tokenbroker as tb
-from helpers import Conn, start_broker, until
+from helpers import Conn, batch_ids, start_broker, until
 
 
 def texts(n: int, size: int = 1) -> list[str]:
     return [f"call {i}: " + "the quick brown fox " * size for i in range(n)]
-
-
-def expected_ids(endpoint: str, items: list[str]) -> list[list[int]]:
-    conn = Conn(endpoint)
-    try:
-        reply = conn.call("tokenize", text=items)
-        assert reply["ok"], reply
-        return reply["tokens"]
-    finally:
-        conn.close()
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +29,7 @@ def broker():
 
 def test_the_calls_of_one_turn_leave_in_one_frame_and_each_gets_its_own_result(broker):
     items = texts(200)
-    want = expected_ids(broker.endpoint, items)
+    want = batch_ids(broker.endpoint, items)
 
     async def main() -> None:
         async with tb.AsyncClient(broker.endpoint) as client:
@@ -59,7 +49,7 @@ def test_the_calls_of_one_turn_leave_in_one_frame_and_each_gets_its_own_result(b
 
 def test_one_cancelled_one_timing_out_one_failing_among_coalesced_calls(broker):
     items = texts(60, size=2)
-    want = expected_ids(broker.endpoint, items)
+    want = batch_ids(broker.endpoint, items)
 
     async def main() -> None:
         async with tb.AsyncClient(broker.endpoint) as client:
@@ -105,7 +95,7 @@ def test_a_call_cancelled_before_its_frame_leaves_is_never_sent(broker):
 
 def test_the_sync_client_coalesces_a_map(broker):
     items = texts(100)
-    want = expected_ids(broker.endpoint, items)
+    want = batch_ids(broker.endpoint, items)
     with tb.Client(broker.endpoint) as client:
         client.ping()
         before = client.status()[0].frames
@@ -118,7 +108,7 @@ def test_a_broker_killed_under_array_traffic_is_left_and_every_call_is_answered_
     a, b = start_broker("--max-client-pending", "100000", workers=1), start_broker("--max-client-pending", "100000", workers=1)
     try:
         items = texts(1500)
-        want = expected_ids(b.endpoint, items)
+        want = batch_ids(b.endpoint, items)
 
         async def main() -> None:
             async with tb.AsyncClient([a.endpoint, b.endpoint], liveness_s=0.5) as client:

@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tokenbroker.common.process import drain_pipe
+
 log = logging.getLogger(__name__)
 
 
@@ -58,11 +60,7 @@ class Lane:
 
     def finished(self) -> list[Done]:
         """The calls done since the last look, in the order they finished."""
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        drain_pipe(self._wake_r)
         out = []
         while self._done:
             out.append(self._done.popleft())

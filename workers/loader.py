@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 from tokenbroker.common.config import CacheConfig, ModelSpec
 from tokenbroker.common.errors import BootError
+from tokenbroker.common.process import drain_pipe
 from tokenbroker.common.protocol import LoadSpec, Loaded
 
 from .engine import FastEngine, speed_up
@@ -143,11 +144,7 @@ class Loader:
 
     def finished(self) -> list[Outcome | EngineOutcome]:
         """Every load finished since the last call (main thread)."""
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        drain_pipe(self._wake_r)
         out = []
         while True:
             try:

@@ -35,6 +35,7 @@ from tokenbroker.common.process import (
     ZYGOTE_FORK,
     ZYGOTE_FORKED,
     ZYGOTE_LOADED,
+    drain_pipe,
     thread_count,
 )
 
@@ -115,7 +116,7 @@ class Zygote:
             if 0 in ready:
                 self._read_commands()
             if self._wake_r in ready:
-                _drain(self._wake_r)
+                drain_pipe(self._wake_r)
             self._reap()
             if self.closing_at is not None and time.monotonic() - self.closing_at > STOP_GRACE_S:
                 for pid in self.children:
@@ -198,14 +199,6 @@ class Zygote:
         from .main import run
 
         return run(replace(self.config, name=name, zygote_fd=None), self.registry)
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
 
 
 def _kill(pid: int, sig: int) -> None:
