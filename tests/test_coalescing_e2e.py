@@ -13,7 +13,7 @@ import signal
 import pytest
 
 import tokenbroker as tb
-from helpers import Conn, batch_ids, start_broker, until
+from helpers import batch_ids, start_broker, until
 
 
 def texts(n: int, size: int = 1) -> list[str]:
