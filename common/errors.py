@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-ERROR_CODES = frozenset(
-    {
-        "bad_request",
-        "unknown_op",
-        "unknown_model",
-        "too_large",
-        "template_error",
-        "invalid_input",
-        "forbidden",
-        "overloaded",
-        "timeout",
-        "worker_failed",
-        "internal",
-    }
+# The protocol's error codes (docs/protocol.md, "Reply"), the one list: the broker and workers raise
+# them (ProtocolError), common/protocol.py numbers job outcomes by this order (a W_RESULTS byte,
+# so only append), and the client has one exception class per code (tokenbroker._client_errors).
+ERROR_CODES: tuple[str, ...] = (
+    "bad_request",
+    "unknown_op",
+    "unknown_model",
+    "too_large",
+    "template_error",
+    "invalid_input",
+    "forbidden",
+    "overloaded",
+    "timeout",
+    "worker_failed",
+    "internal",
 )
 
 
