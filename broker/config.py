@@ -141,9 +141,9 @@ def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
     if found:
         return min(found)
     for sub in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
-        quota, period = (_read(os.path.join(root, sub, f"cpu.cfs_{k}_us")) for k in ("quota", "period"))
-        if quota is not None and period is not None:
-            return None if quota.startswith("-") else _ratio(quota, period)
+        v1_quota, v1_period = (_read(os.path.join(root, sub, f"cpu.cfs_{k}_us")) for k in ("quota", "period"))
+        if v1_quota is not None and v1_period is not None:
+            return None if v1_quota.startswith("-") else _ratio(v1_quota, v1_period)
     return None
 
 

@@ -101,6 +101,7 @@ def _argparse_kwargs(f: dataclasses.Field, fl: Flag) -> dict[str, Any]:
     if fl.required:
         kwargs["required"] = True
         return kwargs
+    default: Any
     if fl.parse_default is not None:
         default = fl.parse_default
     elif fl.many:

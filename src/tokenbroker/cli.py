@@ -220,7 +220,7 @@ def _models(args: argparse.Namespace) -> int:
     if args.json:
         return _call(args, "models")
     code, models = _typed(args, lambda c: c.models())
-    if code == 0:
+    if models is not None:  # code 0
         print(models_table(models))
     return code
 
