@@ -13,11 +13,9 @@ from dataclasses import dataclass
 
 from tokenbroker.common.config import (
     DEFAULT_FRONTEND,
-    EMBEDDED_DEFAULT,
-    EMBEDDED_DEFAULT_NAME,
     MiB,
     ModelConfig,
-    ModelSpec,
+    ModelFlags,
     add_flags,
     flag,
     from_args,
@@ -70,8 +68,8 @@ class BrokerConfig:
     The fields are `serve`'s flags in the order of its --help (the model flags first).
     """
 
-    models: ModelConfig = nested(ModelConfig, model_config_from_args,
-                                 default_factory=lambda: ModelConfig(models=(ModelSpec(EMBEDDED_DEFAULT_NAME, EMBEDDED_DEFAULT),)))
+    models: ModelConfig = nested(ModelConfig, model_config_from_args,  # default: what `serve` loads given no model flag
+                                 default_factory=lambda: ModelConfig(models=ModelFlags().specs()))
     workers: int = flag("--workers", default_factory=lambda: usable_cores(), type=_workers, metavar="N|auto",
                         parse_default="auto",
                         help="local worker processes (default auto: one per core this process may use, from its "
