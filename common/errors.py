@@ -21,7 +21,7 @@ ERROR_CODES: tuple[str, ...] = (
 
 
 class ProtocolError(Exception):
-    """Raised where a request is found wanting; turned into an error reply in one place per side."""
+    """Raised where a request is found wanting; what catches it answers with common.protocol.error_reply."""
 
     def __init__(self, code: str, message: str) -> None:
         if code not in ERROR_CODES:
@@ -29,9 +29,6 @@ class ProtocolError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-    def to_wire(self) -> dict[str, str]:
-        return {"code": self.code, "message": self.message}
 
 
 class BootError(Exception):
