@@ -9,59 +9,40 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenbroker.common.config import (
     DEFAULT_FRONTEND,
-    EMBEDDED_DEFAULT,
-    EMBEDDED_DEFAULT_NAME,
     MiB,
     ModelConfig,
-    ModelSpec,
-    add_model_flags,
+    ModelFlags,
+    add_flags,
+    flag,
+    from_args,
     model_config_from_args,
+    nested,
     non_negative_int,
     positive_int,
 )
+
+
+SECURITY = "security (docs/security.md)"
 
 
 @dataclass(frozen=True)
 class CurveConfig:
     """The broker's CURVE flags (docs/security.md); all None: no CURVE."""
 
-    secret_key: str | None = None
-    clients: str | None = None
-    workers: str | None = None
-    admins: str | None = None
-    insecure: bool = False
-
-
-@dataclass(frozen=True)
-class BrokerConfig:
-    """Everything `tokenbroker serve` was told, built from argv once and passed down."""
-
-    frontend: str = DEFAULT_FRONTEND
-    backend: str | None = None  # None: an ipc:// path in a private runtime dir
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 9464
-    workers: int = field(default_factory=lambda: usable_cores())  # `--workers auto`
-    request_timeout_ms: int = 30000
-    max_request_bytes: int = 32 * MiB
-    max_pending: int = 4096
-    max_pending_bytes: int = 1024 * MiB  # payload bytes held at once (queued and in flight)
-    max_client_pending: int = 1024  # requests one client connection may have held at once
-    balance_factor: float = 1.25
-    balance_margin: int = 2
-    spill_wait_ms: int = 20  # a job waits this long for its full (but not overloaded) preferred worker
-    worker_max_bytes: int = 1 * MiB  # payload bytes a worker holds before it gets more (past its first job)
-    worker_capacity: int = 64  # jobs each local worker holds at once
-    worker_start: str = "fork"  # or "exec": how local workers start (broker/supervisor.py)
-    routing: str = "affinity"  # or "least-loaded": no affinity keys at all (for comparison and debugging)
-    models: ModelConfig = field(default_factory=lambda: ModelConfig(models=(ModelSpec(EMBEDDED_DEFAULT_NAME, EMBEDDED_DEFAULT),)))
-    curve: CurveConfig = field(default_factory=CurveConfig)  # broker/security.py reads it
-
-
-# --- argv --------------------------------------------------------------------------------
+    secret_key: str | None = flag("--curve-secret-key", None, metavar="FILE", group=SECURITY,
+                                  help="the broker's .key_secret: CURVE on the frontend and a tcp:// backend")
+    clients: str | None = flag("--curve-clients", None, metavar="DIR", group=SECURITY,
+                               help="admit only clients whose public .key is in DIR (default: any key)")
+    workers: str | None = flag("--curve-workers", None, metavar="DIR", group=SECURITY,
+                               help="admit only workers whose public .key is in DIR (required for a tcp:// backend)")
+    admins: str | None = flag("--curve-admins", None, metavar="DIR", group=SECURITY,
+                              help="public .key files of the clients allowed the admin ops")
+    insecure: bool = flag("--insecure", False, action="store_true", group=SECURITY,
+                          help="allow binding a non-loopback address without CURVE")
 
 
 def _factor(text: str) -> float:
@@ -78,6 +59,52 @@ def _workers(text: str) -> int:
     if text == "auto":
         return usable_cores()
     return non_negative_int(text)
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    """Everything `tokenbroker serve` was told, built from argv once and passed down.
+
+    The fields are `serve`'s flags in the order of its --help (the model flags first).
+    """
+
+    models: ModelConfig = nested(ModelConfig, model_config_from_args,  # default: what `serve` loads given no model flag
+                                 default_factory=lambda: ModelConfig(models=ModelFlags().specs()))
+    workers: int = flag("--workers", default_factory=lambda: usable_cores(), type=_workers, metavar="N|auto",
+                        parse_default="auto",
+                        help="local worker processes (default auto: one per core this process may use, from its "
+                             "CPU affinity and cgroup CPU quota; 0: remote workers only)")
+    frontend: str = flag("--frontend", DEFAULT_FRONTEND)
+    backend: str | None = flag("--backend", None,  # None: an ipc:// path in a private runtime dir
+                               help="default: ipc:// in a private runtime dir; tcp://HOST:PORT lets remote workers join")
+    metrics_host: str = flag("--metrics-host", "127.0.0.1")
+    metrics_port: int = flag("--metrics-port", 9464, type=non_negative_int, help="0 turns the exporter off")
+    request_timeout_ms: int = flag("--request-timeout-ms", 30000, type=positive_int)
+    max_request_bytes: int = flag("--max-request-bytes", 32 * MiB, type=positive_int)
+    max_pending: int = flag("--max-pending", 4096, type=positive_int,
+                            help="queued requests beyond this are answered overloaded")
+    max_pending_bytes: int = flag("--max-pending-bytes", 1024 * MiB, type=positive_int,
+                                  help="payload bytes held (queued and in flight) beyond this are answered overloaded")
+    max_client_pending: int = flag("--max-client-pending", 1024, type=positive_int,
+                                   help="requests one client connection may have held at once; more are answered overloaded")
+    balance_factor: float = flag("--balance-factor", 1.25, type=_factor,
+                                 help="a worker above mean*factor and mean+margin in-flight jobs is passed over")
+    balance_margin: int = flag("--balance-margin", 2, type=non_negative_int)
+    spill_wait_ms: int = flag("--spill-wait-ms", 20, type=non_negative_int,
+                              help="how long a job waits for its busy preferred worker before going to another (0: never waits)")
+    worker_capacity: int = flag("--worker-capacity", 64, type=positive_int,
+                                help="jobs each local worker holds at once: deep enough that it never waits for the broker")
+    worker_start: str = flag("--worker-start", "fork", choices=("fork", "exec"),  # broker/supervisor.py
+                             help="fork: local workers fork from one process that loaded the models, and share their memory; "
+                                  "exec: each worker loads its own copy")
+    worker_max_bytes: int = flag("--worker-max-bytes", 1 * MiB, type=positive_int,
+                                 help="payload bytes a worker may hold before it is sent more (a huge request holds up its own worker only)")
+    routing: str = flag("--routing", "affinity", choices=("affinity", "least-loaded"),
+                        help="affinity: keep a conversation's prefixes on one worker; least-loaded: ignore keys")
+    curve: CurveConfig = nested(CurveConfig, default_factory=CurveConfig)  # broker/security.py reads it
+
+
+# --- cores ---------------------------------------------------------------------------------
 
 
 def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
@@ -112,9 +139,9 @@ def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
     if found:
         return min(found)
     for sub in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
-        quota, period = (_read(os.path.join(root, sub, f"cpu.cfs_{k}_us")) for k in ("quota", "period"))
-        if quota is not None and period is not None:
-            return None if quota.startswith("-") else _ratio(quota, period)
+        v1_quota, v1_period = (_read(os.path.join(root, sub, f"cpu.cfs_{k}_us")) for k in ("quota", "period"))
+        if v1_quota is not None and v1_period is not None:
+            return None if v1_quota.startswith("-") else _ratio(v1_quota, v1_period)
     return None
 
 
@@ -142,64 +169,9 @@ def _ratio(quota: str, period: str) -> float | None:
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
-    add_model_flags(p)
-    d = BrokerConfig()
-    p.add_argument("--workers", type=_workers, default="auto", metavar="N|auto",
-                   help="local worker processes (default auto: one per core this process may use, from its "
-                        "CPU affinity and cgroup CPU quota; 0: remote workers only)")
-    p.add_argument("--frontend", default=d.frontend)
-    p.add_argument("--backend", default=None, help="default: ipc:// in a private runtime dir; tcp://HOST:PORT lets remote workers join")
-    p.add_argument("--metrics-host", default=d.metrics_host)
-    p.add_argument("--metrics-port", type=non_negative_int, default=d.metrics_port, help="0 turns the exporter off")
-    p.add_argument("--request-timeout-ms", type=positive_int, default=d.request_timeout_ms)
-    p.add_argument("--max-request-bytes", type=positive_int, default=d.max_request_bytes)
-    p.add_argument("--max-pending", type=positive_int, default=d.max_pending,
-                   help="queued requests beyond this are answered overloaded")
-    p.add_argument("--max-pending-bytes", type=positive_int, default=d.max_pending_bytes,
-                   help="payload bytes held (queued and in flight) beyond this are answered overloaded")
-    p.add_argument("--max-client-pending", type=positive_int, default=d.max_client_pending,
-                   help="requests one client connection may have held at once; more are answered overloaded")
-    p.add_argument("--balance-factor", type=_factor, default=d.balance_factor,
-                   help="a worker above mean*factor and mean+margin in-flight jobs is passed over")
-    p.add_argument("--balance-margin", type=non_negative_int, default=d.balance_margin)
-    p.add_argument("--spill-wait-ms", type=non_negative_int, default=d.spill_wait_ms,
-                   help="how long a job waits for its busy preferred worker before going to another (0: never waits)")
-    p.add_argument("--worker-capacity", type=positive_int, default=d.worker_capacity,
-                   help="jobs each local worker holds at once: deep enough that it never waits for the broker")
-    p.add_argument("--worker-start", choices=("fork", "exec"), default=d.worker_start,
-                   help="fork: local workers fork from one process that loaded the models, and share their memory; "
-                        "exec: each worker loads its own copy")
-    p.add_argument("--worker-max-bytes", type=positive_int, default=d.worker_max_bytes,
-                   help="payload bytes a worker may hold before it is sent more (a huge request holds up its own worker only)")
-    p.add_argument("--routing", choices=("affinity", "least-loaded"), default=d.routing,
-                   help="affinity: keep a conversation's prefixes on one worker; least-loaded: ignore keys")
-    s = p.add_argument_group("security (docs/security.md)")
-    s.add_argument("--curve-secret-key", metavar="FILE", help="the broker's .key_secret: CURVE on the frontend and a tcp:// backend")
-    s.add_argument("--curve-clients", metavar="DIR", help="admit only clients whose public .key is in DIR (default: any key)")
-    s.add_argument("--curve-workers", metavar="DIR", help="admit only workers whose public .key is in DIR (required for a tcp:// backend)")
-    s.add_argument("--curve-admins", metavar="DIR", help="public .key files of the clients allowed the admin ops")
-    s.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without CURVE")
+    add_flags(p, BrokerConfig)
 
 
 def broker_config_from_args(a: argparse.Namespace) -> BrokerConfig:
-    return BrokerConfig(
-        frontend=a.frontend,
-        backend=a.backend,
-        metrics_host=a.metrics_host,
-        metrics_port=a.metrics_port,
-        workers=a.workers,
-        request_timeout_ms=a.request_timeout_ms,
-        max_request_bytes=a.max_request_bytes,
-        max_pending=a.max_pending,
-        max_pending_bytes=a.max_pending_bytes,
-        max_client_pending=a.max_client_pending,
-        balance_factor=a.balance_factor,
-        balance_margin=a.balance_margin,
-        routing=a.routing,
-        spill_wait_ms=a.spill_wait_ms,
-        worker_max_bytes=a.worker_max_bytes,
-        worker_capacity=a.worker_capacity,
-        worker_start=a.worker_start,
-        models=model_config_from_args(a),
-        curve=CurveConfig(a.curve_secret_key, a.curve_clients, a.curve_workers, a.curve_admins, a.insecure),
-    )
+    config: BrokerConfig = from_args(BrokerConfig, a)
+    return config

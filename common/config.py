@@ -1,5 +1,12 @@
 """What the broker and its workers both read: the models, their caches and limits, and their flags.
 
+Each flag is declared once, on the configuration field it sets (`flag()`): its name, help, type
+(which validates it), env var and --help section. `add_flags` builds the argparse options from
+those declarations, `from_args` the configuration from the parsed options, and `flags_argv` the
+flags again from a configuration, so nothing about a flag is written twice. A nested
+configuration's flags (`nested()`) come where its field stands: the field order is the order of
+`--help`.
+
 The `serve` and `worker` command lines share the model and cache flags (docs/protocol.md,
 "Starting it"); `model_argv()` turns a parsed ModelConfig back into those flags so the supervisor
 can start local workers with exactly what the operator gave. Each side's own configuration lives
@@ -9,8 +16,10 @@ with it: broker/config.py, workers/config.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Callable
 
 EMBEDDED_DEFAULT = "embedded:deepseek"
 EMBEDDED_DEFAULT_NAME = "deepseek"
@@ -26,52 +35,120 @@ MiB = 1024 * 1024
 DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """One model to load: a name, where its tokenizer comes from, and its aliases."""
-
-    name: str
-    source: str  # folder, tokenizer.json, .tiktoken file, Hub id, encoding name, OpenAI model name, or EMBEDDED_DEFAULT
-    aliases: tuple[str, ...] = ()
-    tokenizer_path: str | None = None  # overrides where the tokenizer itself is loaded from
-    chat_template: str | None = None  # a template file that wins over the model's own
-    chat_template_text: str | None = None  # a template's text (add_model), winning over both
+# --- flags: one declaration per flag, on the field it sets --------------------------------------
 
 
 @dataclass(frozen=True)
-class CacheConfig:
-    l0_enabled: bool = False
-    l0_max_entries: int = 10000
-    l0_max_bytes: int = 256 * MiB
-    l1_enabled: bool = False
-    l1_max_memory: int = 50 * MiB
+class Flag:
+    """How a configuration field is given on the command line (the argparse options it becomes)."""
 
-
-@dataclass(frozen=True)
-class Limits:
-    """Work one request may ask of a worker; over them it is answered `too_large`."""
-
-    max_batch_items: int = 65536  # texts in a tokenize batch, sequences in a detokenize batch
-    max_reply_bytes: int = 64 * MiB  # a reply larger than this is not sent
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """What every worker loads. The first model is the default."""
-
-    models: tuple[ModelSpec, ...]
-    tokenizer_map: tuple[tuple[str, str], ...] = ()  # (glob, model name)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    limits: Limits = field(default_factory=Limits)
-    max_models: int = 0  # --max-models-per-worker: 0 loads every model at start; N loads the default, the rest on demand
-    backend: str = "auto"  # --tokenizer-backend: auto (fastokens where probes prove it exact), fast, reference
+    name: str  # "--max-pending"
+    help: str | None = None
+    type: Callable[[str], Any] | None = None  # parses and validates (argparse.ArgumentTypeError names the rule)
+    action: str | None = None  # "store_true", "append", "extend"
+    nargs: str | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    group: str | None = None  # the --help section; None: the command's own options
+    env: str | None = None  # the default is read from this environment variable when the parser is built
+    parse_default: str | None = None  # the text argparse parses (with `type`) where no flag is given, if not the field's default (`--workers auto`)
+    required: bool = False
 
     @property
-    def default(self) -> ModelSpec:
-        return self.models[0]
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+    @property
+    def many(self) -> bool:
+        """Repeated or multi-valued: parsed into a list, held in the configuration as a tuple."""
+        return self.action in ("append", "extend")
 
 
-# --- argv --------------------------------------------------------------------------------
+def flag(name: str, default: Any = MISSING, *, default_factory: Any = MISSING, **how: Any) -> Any:
+    """A dataclass field set by the command-line flag `name` (`how`: the other Flag fields)."""
+    return field(default=default, default_factory=default_factory, metadata={"flag": Flag(name, **how)})
+
+
+def nested(cls: type, build: Callable[[argparse.Namespace], Any] | None = None, *,
+           default_factory: Any = MISSING) -> Any:
+    """A field holding a configuration built from `cls`'s flags (by `build`, default `from_args(cls, ...)`)."""
+    return field(default_factory=default_factory, metadata={"flags_of": cls, "build": build})
+
+
+def add_flags(p: argparse.ArgumentParser, cls: type, groups: dict[str, Any] | None = None) -> None:
+    """Add the flags of `cls`'s fields (and of its nested configurations) to `p`, in field order."""
+    groups = {} if groups is None else groups
+    for f in dataclasses.fields(cls):
+        if "flags_of" in f.metadata:
+            add_flags(p, f.metadata["flags_of"], groups)
+            continue
+        fl: Flag | None = f.metadata.get("flag")
+        if fl is None:
+            continue
+        if fl.group is None:
+            target: Any = p
+        elif fl.group in groups:
+            target = groups[fl.group]
+        else:
+            target = groups[fl.group] = p.add_argument_group(fl.group)
+        target.add_argument(fl.name, **_argparse_kwargs(f, fl))
+
+
+def _argparse_kwargs(f: dataclasses.Field, fl: Flag) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {k: v for k, v in (("help", fl.help), ("type", fl.type), ("action", fl.action),
+                                                ("nargs", fl.nargs), ("choices", fl.choices), ("metavar", fl.metavar))
+                              if v is not None}
+    if fl.required:
+        kwargs["required"] = True
+        return kwargs
+    default: Any
+    if fl.parse_default is not None:
+        default = fl.parse_default
+    elif fl.many:
+        default = []  # argparse copies it before appending
+    else:
+        default = f.default
+    if fl.env is not None:
+        default = os.environ.get(fl.env, default)
+    kwargs["default"] = default
+    return kwargs
+
+
+def from_args(cls: type, a: argparse.Namespace, **given: Any) -> Any:
+    """`cls` built from the parsed flags of its fields (nested configurations too); `given` wins."""
+    values = dict(given)
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            continue
+        if "flags_of" in f.metadata:
+            build = f.metadata["build"]
+            values[f.name] = build(a) if build is not None else from_args(f.metadata["flags_of"], a)
+        elif "flag" in f.metadata:
+            fl: Flag = f.metadata["flag"]
+            value = getattr(a, fl.dest)
+            values[f.name] = tuple(value) if fl.many else value
+    return cls(**values)
+
+
+def flags_argv(config: Any) -> list[str]:
+    """The flags that give `config`'s flag fields (and its nested configurations') their values."""
+    argv: list[str] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if "flags_of" in f.metadata and dataclasses.is_dataclass(value):
+            argv += flags_argv(value)
+            continue
+        fl: Flag | None = f.metadata.get("flag")
+        if fl is None or value is None:
+            continue
+        if fl.action == "store_true":
+            argv += [fl.name] if value else []
+        elif fl.many:
+            for item in value:
+                argv += [fl.name, "=".join(item) if isinstance(item, tuple) else str(item)]
+        else:
+            argv += [fl.name, str(value)]
+    return argv
 
 
 def positive_int(text: str) -> int:
@@ -95,75 +172,112 @@ def _pair(text: str) -> tuple[str, str]:
     return name, value
 
 
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("models")
-    g.add_argument("--model-path", help="the default model: folder, tokenizer.json, .tiktoken, Hub id, encoding or OpenAI model name")
-    g.add_argument("--tokenizer-path", help="load the default model's tokenizer from here instead")
-    g.add_argument("--chat-template", help="a chat template file for the default model")
-    g.add_argument("--served-model-name", nargs="+", action="extend", default=[], metavar="NAME",
-                   help="names the default model answers to (the first is its name)")
-    g.add_argument("--model", action="append", type=_pair, default=[], metavar="NAME=PATH_OR_HUB_ID",
-                   help="another model, under NAME")
-    g.add_argument("--model-chat-template", action="append", type=_pair, default=[], metavar="NAME=FILE",
-                   help="a chat template file for the model NAME")
-    g.add_argument("--tokenizer-map", action="append", type=_pair, default=[], metavar="GLOB=NAME",
-                   help="send model names matching GLOB (only '*', anchored) to the loaded model NAME")
-    c = p.add_argument_group("caches")
-    c.add_argument("--tokenizer-cache-enable-l0", action="store_true")
-    c.add_argument("--tokenizer-cache-l0-max-entries", type=positive_int, default=CacheConfig.l0_max_entries)
-    c.add_argument("--tokenizer-cache-l0-max-bytes", type=positive_int, default=CacheConfig.l0_max_bytes)
-    c.add_argument("--tokenizer-cache-enable-l1", action="store_true")
-    c.add_argument("--tokenizer-cache-l1-max-memory", type=positive_int, default=CacheConfig.l1_max_memory)
-    g.add_argument("--tokenizer-backend", choices=TOKENIZER_BACKENDS, default=os.environ.get(BACKEND_ENV, "auto"),
-                   help="auto: fastokens for every model where probes at load prove it gives the reference's "
-                        "ids, the model's own library otherwise; fast: fastokens wherever it loads, unprobed; "
-                        "reference: always the model's own library (tokenizers, tiktoken)")
-    g.add_argument("--max-models-per-worker", type=non_negative_int, default=0, metavar="N",
-                   help="a worker holds at most N tokenizers, loaded on demand (0: every worker loads every model)")
-    lim = p.add_argument_group("limits")
-    lim.add_argument("--max-batch-items", type=positive_int, default=Limits.max_batch_items,
-                     help="texts (or id sequences) one batch request may hold; more is answered too_large")
-    lim.add_argument("--max-reply-bytes", type=positive_int, default=Limits.max_reply_bytes,
-                     help="a reply larger than this is answered too_large instead")
+# --- the configuration both sides read ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model to load: a name, where its tokenizer comes from, and its aliases."""
+
+    name: str
+    source: str  # folder, tokenizer.json, .tiktoken file, Hub id, encoding name, OpenAI model name, or EMBEDDED_DEFAULT
+    aliases: tuple[str, ...] = ()
+    tokenizer_path: str | None = None  # overrides where the tokenizer itself is loaded from
+    chat_template: str | None = None  # a template file that wins over the model's own
+    chat_template_text: str | None = None  # a template's text (add_model), winning over both
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    l0_enabled: bool = flag("--tokenizer-cache-enable-l0", False, action="store_true", group="caches")
+    l0_max_entries: int = flag("--tokenizer-cache-l0-max-entries", 10000, type=positive_int, group="caches")
+    l0_max_bytes: int = flag("--tokenizer-cache-l0-max-bytes", 256 * MiB, type=positive_int, group="caches")
+    l1_enabled: bool = flag("--tokenizer-cache-enable-l1", False, action="store_true", group="caches")
+    l1_max_memory: int = flag("--tokenizer-cache-l1-max-memory", 50 * MiB, type=positive_int, group="caches")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Work one request may ask of a worker; over them it is answered `too_large`."""
+
+    max_batch_items: int = flag("--max-batch-items", 65536, type=positive_int, group="limits",
+                                help="texts (or id sequences) one batch request may hold; more is answered too_large")
+    max_reply_bytes: int = flag("--max-reply-bytes", 64 * MiB, type=positive_int, group="limits",
+                                help="a reply larger than this is answered too_large instead")
+
+
+@dataclass(frozen=True)
+class ModelFlags:
+    """The models as the command line names them; `specs()` turns them into the ModelSpecs to load."""
+
+    model_path: str | None = flag("--model-path", None, group="models",
+                                  help="the default model: folder, tokenizer.json, .tiktoken, Hub id, encoding or OpenAI model name")
+    tokenizer_path: str | None = flag("--tokenizer-path", None, group="models",
+                                      help="load the default model's tokenizer from here instead")
+    chat_template: str | None = flag("--chat-template", None, group="models",
+                                     help="a chat template file for the default model")
+    served_model_name: tuple[str, ...] = flag("--served-model-name", (), nargs="+", action="extend", metavar="NAME",
+                                              group="models", help="names the default model answers to (the first is its name)")
+    model: tuple[tuple[str, str], ...] = flag("--model", (), action="append", type=_pair, metavar="NAME=PATH_OR_HUB_ID",
+                                              group="models", help="another model, under NAME")
+    model_chat_template: tuple[tuple[str, str], ...] = flag("--model-chat-template", (), action="append", type=_pair,
+                                                            metavar="NAME=FILE", group="models",
+                                                            help="a chat template file for the model NAME")
+
+    def specs(self) -> tuple[ModelSpec, ...]:
+        """The default model first (`--model-path`, else the first `--model`, else the embedded one)."""
+        templates = dict(self.model_chat_template)
+        served = list(self.served_model_name)
+        extra = [ModelSpec(name, src, chat_template=templates.get(name)) for name, src in self.model]
+        if self.model_path or self.tokenizer_path or not extra:
+            source = self.model_path or self.tokenizer_path or EMBEDDED_DEFAULT
+            name = served[0] if served else (EMBEDDED_DEFAULT_NAME if source == EMBEDDED_DEFAULT else source)
+            default = ModelSpec(
+                name=name,
+                source=source,
+                aliases=_aliases(name, served),
+                tokenizer_path=self.tokenizer_path,
+                chat_template=self.chat_template or templates.get(name),
+            )
+            return (default, *extra)
+        first = extra[0]
+        first = ModelSpec(first.name, first.source, aliases=_aliases(first.name, served),
+                          chat_template=self.chat_template or first.chat_template)
+        return (first, *extra[1:])
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What every worker loads. The first model is the default."""
+
+    models: tuple[ModelSpec, ...] = nested(ModelFlags, lambda a: from_args(ModelFlags, a).specs())
+    tokenizer_map: tuple[tuple[str, str], ...] = flag("--tokenizer-map", (), action="append", type=_pair,  # (glob, model name)
+                                                      metavar="GLOB=NAME", group="models",
+                                                      help="send model names matching GLOB (only '*', anchored) to the loaded model NAME")
+    cache: CacheConfig = nested(CacheConfig, default_factory=CacheConfig)
+    backend: str = flag("--tokenizer-backend", "auto", choices=TOKENIZER_BACKENDS, env=BACKEND_ENV, group="models",
+                        help="auto: fastokens for every model where probes at load prove it gives the reference's "
+                             "ids, the model's own library otherwise; fast: fastokens wherever it loads, unprobed; "
+                             "reference: always the model's own library (tokenizers, tiktoken)")
+    max_models: int = flag("--max-models-per-worker", 0, type=non_negative_int, metavar="N", group="models",
+                           help="a worker holds at most N tokenizers, loaded on demand (0: every worker loads every model)")
+    limits: Limits = nested(Limits, default_factory=Limits)
+
+    @property
+    def default(self) -> ModelSpec:
+        return self.models[0]
 
 
 def model_config_from_args(a: argparse.Namespace) -> ModelConfig:
-    templates = dict(a.model_chat_template)
-    served = list(a.served_model_name)
-    extra = [ModelSpec(name, src, chat_template=templates.get(name)) for name, src in a.model]
-    if a.model_path or a.tokenizer_path or not extra:
-        source = a.model_path or a.tokenizer_path or EMBEDDED_DEFAULT
-        name = served[0] if served else (EMBEDDED_DEFAULT_NAME if source == EMBEDDED_DEFAULT else source)
-        default = ModelSpec(
-            name=name,
-            source=source,
-            aliases=_aliases(name, served),
-            tokenizer_path=a.tokenizer_path,
-            chat_template=a.chat_template or templates.get(name),
-        )
-        models = (default, *extra)
-    else:
-        first = extra[0]
-        first = ModelSpec(first.name, first.source, aliases=_aliases(first.name, served),
-                          chat_template=a.chat_template or first.chat_template)
-        models = (first, *extra[1:])
-    names = [n for m in models for n in (m.name, *m.aliases)]
+    m: ModelConfig = from_args(ModelConfig, a)
+    names = [n for spec in m.models for n in (spec.name, *spec.aliases)]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise SystemExit(f"tokenbroker: model name given twice: {', '.join(dupes)}")
-    for glob, target in a.tokenizer_map:
+    for glob, target in m.tokenizer_map:
         if target not in names:
             raise SystemExit(f"tokenbroker: --tokenizer-map {glob}={target}: no model is named {target!r}")
-    cache = CacheConfig(
-        l0_enabled=a.tokenizer_cache_enable_l0,
-        l0_max_entries=a.tokenizer_cache_l0_max_entries,
-        l0_max_bytes=a.tokenizer_cache_l0_max_bytes,
-        l1_enabled=a.tokenizer_cache_enable_l1,
-        l1_max_memory=a.tokenizer_cache_l1_max_memory,
-    )
-    limits = Limits(max_batch_items=a.max_batch_items, max_reply_bytes=a.max_reply_bytes)
-    return ModelConfig(models=models, tokenizer_map=tuple(a.tokenizer_map), cache=cache, limits=limits,
-                       max_models=a.max_models_per_worker, backend=a.tokenizer_backend)
+    return m
 
 
 def _aliases(name: str, served: list[str]) -> tuple[str, ...]:
@@ -186,20 +300,4 @@ def model_argv(m: ModelConfig) -> list[str]:
         argv += ["--model", f"{spec.name}={spec.source}"]
         if spec.chat_template:
             argv += ["--model-chat-template", f"{spec.name}={spec.chat_template}"]
-    for glob, target in m.tokenizer_map:
-        argv += ["--tokenizer-map", f"{glob}={target}"]
-    c = m.cache
-    if c.l0_enabled:
-        argv.append("--tokenizer-cache-enable-l0")
-    if c.l1_enabled:
-        argv.append("--tokenizer-cache-enable-l1")
-    argv += [
-        "--tokenizer-cache-l0-max-entries", str(c.l0_max_entries),
-        "--tokenizer-cache-l0-max-bytes", str(c.l0_max_bytes),
-        "--tokenizer-cache-l1-max-memory", str(c.l1_max_memory),
-        "--max-batch-items", str(m.limits.max_batch_items),
-        "--max-reply-bytes", str(m.limits.max_reply_bytes),
-        "--max-models-per-worker", str(m.max_models),
-        "--tokenizer-backend", m.backend,
-    ]
-    return argv
+    return argv + flags_argv(m)  # the map, caches, backend and limits: every flag field of ModelConfig

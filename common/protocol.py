@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from .errors import ProtocolError
+from .errors import ERROR_CODES, ProtocolError
 
 PROTOCOL_VERSION = 2  # of the broker<->worker frames: 2 carries a batch's payloads in one frame
 
@@ -48,10 +48,7 @@ RESULT = struct.Struct("<QBI")  # job id, outcome (an index into OUTCOMES), repl
 
 # What a worker says of each job, so the broker counts outcomes without decoding replies. A
 # worker's byte is an index here; anything else reads as "internal", so no peer can invent labels.
-OUTCOMES: tuple[str, ...] = (
-    "ok", "skipped", "bad_request", "unknown_op", "unknown_model", "too_large", "template_error",
-    "invalid_input", "forbidden", "overloaded", "timeout", "worker_failed", "internal",
-)
+OUTCOMES: tuple[str, ...] = ("ok", "skipped", *ERROR_CODES)
 OUTCOME_INDEX = {name: i for i, name in enumerate(OUTCOMES)}
 SKIPPED = "skipped"  # the worker did not run the job: its budget had passed (the broker answers timeout)
 

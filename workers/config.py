@@ -9,34 +9,34 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from tokenbroker.common.config import ModelConfig, add_model_flags, model_config_from_args, positive_int
+from tokenbroker.common.config import ModelConfig, add_flags, flag, from_args, model_config_from_args, nested, positive_int
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """Everything `tokenbroker worker` was told, built from argv once and passed down."""
+    """Everything `tokenbroker worker` was told, built from argv once and passed down.
 
-    connect: str
-    models: ModelConfig
-    capacity: int = 64  # jobs held at once: a pipeline deep enough that the worker never waits for the broker
-    name: str | None = None
-    curve_server_key: str | None = None  # the broker's public .key (common/curve.py)
-    curve_secret_key: str | None = None  # this worker's own .key_secret
-    zygote_fd: int | None = None  # set: be the template local workers fork from, reporting on this fd
+    The fields are `worker`'s flags in the order of its --help (the model flags first).
+    """
+
+    models: ModelConfig = nested(ModelConfig, model_config_from_args)
+    connect: str = flag("--connect", required=True, help="the broker's backend endpoint")
+    capacity: int = flag("--capacity", 64, type=positive_int,  # a pipeline deep enough that the worker never waits for the broker
+                         help="jobs the worker holds at once")
+    name: str | None = flag("--name", None, help="worker name shown in replies and metrics")
+    curve_server_key: str | None = flag("--curve-server-key", None, metavar="FILE",  # common/curve.py
+                                        help="the broker's public .key: connect with CURVE")
+    curve_secret_key: str | None = flag("--curve-secret-key", None, metavar="FILE",
+                                        help="this worker's own .key_secret (its .key is in the broker's --curve-workers)")
+    # set: be the template local workers fork from, reporting on this fd (the supervisor's flag, never a person's)
+    zygote_fd: int | None = flag("--zygote-fd", None, type=int, help=argparse.SUPPRESS)
 
 
 # --- argv --------------------------------------------------------------------------------
 
 
 def add_worker_flags(p: argparse.ArgumentParser) -> None:
-    add_model_flags(p)
-    p.add_argument("--connect", required=True, help="the broker's backend endpoint")
-    p.add_argument("--capacity", type=positive_int, default=WorkerConfig.capacity,
-                   help="jobs the worker holds at once")
-    p.add_argument("--name", default=None, help="worker name shown in replies and metrics")
-    p.add_argument("--curve-server-key", metavar="FILE", help="the broker's public .key: connect with CURVE")
-    p.add_argument("--curve-secret-key", metavar="FILE", help="this worker's own .key_secret (its .key is in the broker's --curve-workers)")
-    p.add_argument("--zygote-fd", type=int, default=None, help=argparse.SUPPRESS)  # the supervisor's, never a person's
+    add_flags(p, WorkerConfig)
 
 
 def worker_config_from_args(a: argparse.Namespace) -> WorkerConfig:
@@ -47,6 +47,5 @@ def worker_config_from_args(a: argparse.Namespace) -> WorkerConfig:
             load_client_keys(a.curve_server_key, a.curve_secret_key, own_key_required=True)
     except CurveKeyError as e:
         raise SystemExit(f"tokenbroker: {e}") from None
-    return WorkerConfig(connect=a.connect, models=model_config_from_args(a), capacity=a.capacity, name=a.name,
-                        curve_server_key=a.curve_server_key, curve_secret_key=a.curve_secret_key,
-                        zygote_fd=a.zygote_fd)
+    config: WorkerConfig = from_args(WorkerConfig, a)
+    return config

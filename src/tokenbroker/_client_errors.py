@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenbroker.common.errors import ERROR_CODES
+
 
 class TokenbrokerError(Exception):
     """A call failed; `code` is the protocol's error code (or `unavailable`), `message` says why."""
@@ -69,19 +71,10 @@ class Unavailable(TokenbrokerError):
     """Client side: no broker answered before the call's deadline (down, unreachable, or too slow)."""
 
 
+# One class per code of the protocol's list (common/errors.py), named after it (bad_request:
+# BadRequest), and the client's own `unavailable`: a code without its class fails at import.
 ERRORS: dict[str, type[TokenbrokerError]] = {
-    "bad_request": BadRequest,
-    "unknown_op": UnknownOp,
-    "unknown_model": UnknownModel,
-    "too_large": TooLarge,
-    "template_error": TemplateError,
-    "invalid_input": InvalidInput,
-    "forbidden": Forbidden,
-    "overloaded": Overloaded,
-    "timeout": Timeout,
-    "worker_failed": WorkerFailed,
-    "internal": Internal,
-    "unavailable": Unavailable,
+    code: globals()[code.title().replace("_", "")] for code in (*ERROR_CODES, "unavailable")
 }
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 from tokenbroker.broker.config import add_serve_flags, broker_config_from_args
+from tokenbroker.common.config import DEFAULT_FRONTEND
 from tokenbroker.workers.config import add_worker_flags, worker_config_from_args
 
 T = TypeVar("T")
@@ -28,7 +29,7 @@ WAIT_POLL_S = 0.2  # `add-model --wait`: how often to ask `models` how the load 
 def _client_parser(sub: argparse._SubParsersAction, name: str, help: str, *,
                    model: bool = True) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help)
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="the broker's frontend")
+    p.add_argument("--endpoint", default=DEFAULT_FRONTEND, help="the broker's frontend")
     if model:
         p.add_argument("--model", default=None)
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the reply (sent as deadline_ms)")
@@ -219,7 +220,7 @@ def _models(args: argparse.Namespace) -> int:
     if args.json:
         return _call(args, "models")
     code, models = _typed(args, lambda c: c.models())
-    if code == 0:
+    if models is not None:  # code 0
         print(models_table(models))
     return code
 
