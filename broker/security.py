@@ -242,7 +242,7 @@ class BrokerSecurity:
         """Check the flags, load every key, start the ZAP thread; SecurityError names what is wrong."""
         check_config(config.frontend, config.backend, config.curve)
         self = cls(config.curve, on_denied)
-        if not self.enabled:
+        if config.curve.secret_key is None:  # enabled is exactly this
             return self
         try:
             self.public, self.secret = load_key_pair(config.curve.secret_key, flag="--curve-secret-key")

@@ -195,7 +195,7 @@ def _random_text(rng: random.Random, n: int) -> str:
     """Code points from every plane that matters, surrogates excluded (a wire string cannot hold one)."""
     ranges = ((0x20, 0x7E), (0x00, 0x1F), (0xA0, 0x2FF), (0x300, 0x36F), (0x370, 0x10FF), (0x2000, 0x2BFF),
               (0x3000, 0x9FFF), (0xAC00, 0xD7A3), (0xE000, 0xFFFD), (0x10000, 0x1FAFF), (0x20000, 0x2A6DF))
-    out = []
+    out: list[str] = []
     for _ in range(n):
         lo, hi = ranges[rng.randrange(len(ranges))]
         out.append(chr(rng.randint(lo, hi)))
@@ -229,8 +229,8 @@ def probe(tok: Tokenizer, fast: FastEngine, *, seed: int = RANDOM_SEED) -> str |
     sequences += _random_ids(tok, rng, 160)
     for skip in (True, False):
         for ids in sequences:
-            got = _decode_or_error(fast, ids, skip)
-            if got is not None and got != _decode_or_error(tok, ids, skip):
+            text = _decode_or_error(fast, ids, skip)
+            if text is not None and text != _decode_or_error(tok, ids, skip):
                 return f"decode {ids[:12]}{'...' if len(ids) > 12 else ''} (skip_special_tokens={skip})"
     return None
 
@@ -244,9 +244,9 @@ def _u32(ids: list[int]) -> bytes:
 
 def _random_ids(tok: Tokenizer, rng: random.Random, n: int) -> list[list[int]]:
     """Random valid id sequences, with the specials and the ids just below the vocabulary's end mixed in."""
-    unassigned = getattr(tok, "unassigned", frozenset())
+    unassigned: frozenset[int] = getattr(tok, "unassigned", frozenset())
     pool = sorted(tok.special_tokens.values()) + [i for i in range(max(0, tok.vocab_size - 64), tok.vocab_size)]
-    out = []
+    out: list[list[int]] = []
     for _ in range(n):
         seq = []
         for _ in range(rng.randint(1, 40)):

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import itemgetter
-from typing import Any
+from typing import Any, Iterator
 
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import opt, type_name
@@ -297,7 +297,7 @@ class BlockHasher:
         parts = iter(self._cbor_ids(ids))
         lora = _cbor_text(spec.lora_name) if spec.lora_name is not None else None
         if lora is None and spec.cache_salt is None:
-            tails = repeat(_NULL)
+            tails: Iterator[bytes] = repeat(_NULL)
         else:
             later = b"\x81" + lora if lora is not None else _NULL
             tails = repeat(later)
@@ -306,7 +306,7 @@ class BlockHasher:
                 head = b"\x82" + lora + salt if lora is not None else b"\x81" + salt
                 tails = iter([head, *repeat(later, len(ids) // bs - 1)])
         blocks = map(b"".join, zip(repeat(arr), *[parts] * bs, tails))
-        sha, out = hashlib.sha256, []
+        sha, out = hashlib.sha256, list[bytes]()
         append = out.append
         for block in blocks:
             parent = sha(_BLOCK_HEAD + parent + block).digest()

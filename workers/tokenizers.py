@@ -56,7 +56,8 @@ class Tokenizer(Protocol):
     model_dir: Path | None
     tokenizer_config: dict
     description: str
-    raw: object
+    raw: Any  # the library's own object (tokenizers.Tokenizer, tiktoken.Encoding)
+    fast: Any  # the fast engine (workers/engine.py) once it proved exact, else None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 from tokenbroker.common.errors import ProtocolError
 
@@ -204,7 +204,7 @@ def _value(body: dict | str | bytes, fmt: str | None, *, strict: bool, walk: Wal
         if isinstance(value, dict):
             notes.add("A map body was counted as its JSON text.")
             return walk.to_json(value)
-        return value  # a str body is counted as it is
+        return cast(str, value)  # a str body is counted as it is
     if isinstance(value, str):
         value = _parse(value, strict=strict, notes=notes)
     if isinstance(value, _RawText):

@@ -122,7 +122,8 @@ def url_image(url: Any, detail: Any = None) -> Image:
     size = None
     if isinstance(url, str) and url.startswith("data:") and ";base64," in url[:200]:
         size = base64_image_size(url.partition(";base64,")[2])
-    return Image(*(size or (None, None)), detail=detail if isinstance(detail, str) else None)
+    width, height = size or (None, None)
+    return Image(width, height, detail=detail if isinstance(detail, str) else None)
 
 
 # --- token rules ----------------------------------------------------------------------------------

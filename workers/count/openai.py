@@ -106,7 +106,8 @@ class _Renderer:
     def _properties(self, obj: dict, indent: int, depth: int) -> str:
         """One line per property (`name?: type,`), top-level ones led by their description as a comment."""
         properties = obj.get("properties")
-        required = obj.get("required") if isinstance(obj.get("required"), list) else []
+        listed = obj.get("required")
+        required = listed if isinstance(listed, list) else []
         lines: list[str] = []
         for name, spec in (properties.items() if isinstance(properties, dict) else ()):
             self.walk.budget -= 1
