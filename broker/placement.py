@@ -119,8 +119,7 @@ class Placement:
     def loaded(self, wid: bytes, model: str, now: float) -> bool:
         """A load finished; False when the worker was not loading it (a stale or forged LOADED)."""
         holding = self.workers.get(wid)
-        started = None if holding is None else holding.loading.pop(model, None)
-        if started is None:
+        if holding is None or (started := holding.loading.pop(model, None)) is None:
             return False
         holding.held[model] = now
         holding.since[model] = now

@@ -30,7 +30,7 @@ WINDOW = 16  # requests kept in flight: a load happens while jobs of other model
 def _drive(endpoint: str, n: int) -> tuple[dict[int, dict], int]:
     """n tokenize requests over MIX, WINDOW in flight on one DEALER: the replies by id, and how
     many were sent."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     replies: dict[int, dict] = {}
