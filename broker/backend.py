@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 MAX_REPORT_BYTES = 64 * 1024  # a heartbeat body larger than this is dropped
 MAX_LOADED_BYTES = 4 * 1024 * 1024  # a LOADED body (its special-token list) larger than this is dropped
+# A worker parsing a tokenizer holds its GIL for the whole parse (seconds under load): it beats no
+# heartbeat meanwhile, so while a LOAD is outstanding it may be silent this long before it is gone.
+LOAD_GRACE_S = 60.0
 BATCH_BYTES = 4 * 1024 * 1024  # payload bytes in one backend message, past its first job
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
 _NOBLOCK_MORE = _NOBLOCK | _SNDMORE
@@ -58,6 +61,8 @@ class WorkerState:
     expiry: float
     draining: bool = False
     report: dict[str, Any] = field(default_factory=dict)  # the latest heartbeat body (cumulative counters, rss)
+    loads: int = 0  # LOADs sent that it has not answered
+    load_grace: float = 0.0  # while `loads`: silent until then is still alive (LOAD_GRACE_S)
 
     @property
     def name(self) -> str:
@@ -178,6 +183,8 @@ class Backend:
         if kind == W_READY:
             return self._on_ready(wid, worker, body, now)
         if kind == W_LOADED and worker is not None:
+            worker.loads = max(0, worker.loads - 1)  # the next one it loads starts now
+            worker.load_grace = now + LOAD_GRACE_S if worker.loads else 0.0
             return self._on_loaded(worker, body)
         if kind == W_BYE:
             if worker is None or worker.draining:
@@ -252,6 +259,10 @@ class Backend:
         self.expected.pop(name, None)
 
     def send_load(self, wid: bytes, spec: LoadSpec) -> None:
+        worker = self.workers.get(wid)
+        if worker is not None:
+            worker.loads += 1
+            worker.load_grace = max(worker.load_grace, time.monotonic() + LOAD_GRACE_S)
         self._send_frames([wid, B_LOAD, spec.to_wire()])
 
     def send_unload(self, wid: bytes, name: str) -> None:
@@ -279,7 +290,7 @@ class Backend:
             for wid in self.workers:
                 self._send(wid, B_HEARTBEAT)
             self.next_beat = now + HEARTBEAT_INTERVAL_S
-        return [Left(w.wid, "silent") for w in self.workers.values() if w.expiry <= now]
+        return [Left(w.wid, "silent") for w in self.workers.values() if w.expiry <= now and w.load_grace <= now]
 
     def send_heartbeat(self, wid: bytes) -> None:
         self._send(wid, B_HEARTBEAT)

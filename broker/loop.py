@@ -165,6 +165,8 @@ class Broker:
         spill = self.dispatcher.next_timer(now)
         if spill is not None:
             nearest = min(nearest, spill)
+        if self.dispatcher.demand:  # placement looks again while requests wait (a residency ends, a replica is due)
+            nearest = min(nearest, self.next_plan)
         return max(0, min(1000, int((nearest - now) * 1000) + 1))
 
     def _stop_requested(self) -> bool:

@@ -19,11 +19,19 @@ With a cap N, a worker holds at most N models (held or loading), and `plan(now, 
 A load goes to a worker with a free model slot (the fewest models, then the fewest loads under
 way); else a worker lets a model go first: the coldest (fewest recent requests, decayed over
 `HEAT_HALF_LIFE_S`; then the least recently used) that holds no job there, has no request queued
-for it (or another holder), and has been loaded for at least `min_residency`. The heat keeps the
+for it (or another holder), and has been loaded for at least `min_residency`, or for
+RESIDENCY_PER_LOAD times what its load took if that is less (a wake of a forked worker's dormant
+copy takes a round trip, a parse seconds). The heat keeps the
 models that carry the traffic in place while the rest take turns in the remaining slots, and the
 residency bounds how often a slot can change hands, so a pool too small for its models degrades
 into waiting for loads instead of spending its time loading (a worker loads one model at a time).
 Loads lost with a worker that died are planned again, on another worker or its replacement.
+
+`holders(model)` is what the dispatcher may send a model's jobs to: the workers holding it, less
+those loading another model while some other holder is not. A worker parsing a tokenizer
+(`tokenizers` holds the GIL for the whole parse, seconds under load) serves nothing meanwhile, so
+jobs sent there would wait for the load; a forked local worker's load is a wake (the template's
+dormant copy, workers/registry.py) and this lasts one round trip.
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ from typing import Callable, Iterable
 REPLICA_AFTER_S = 0.05  # a model's holders all full this long, requests queued: add a replica
 IDLE_AFTER_S = 30.0  # a replica that served nothing this long goes, while another replica stays
 RETRY_AFTER_S = 1.0  # a worker that could not try a load (full, leaving) is asked again after this
-MIN_RESIDENCY_S = 1.0  # a model loaded this recently is not let go for another
+MIN_RESIDENCY_S = 1.0  # a model loaded this recently is not let go for another...
+RESIDENCY_PER_LOAD = 10.0  # ...nor one loaded for less than this many times what its load took (whichever is less)
 HEAT_HALF_LIFE_S = 10.0  # a model's request count halves over this: what "recent traffic" means
 _DECAY = math.log(2) / HEAT_HALF_LIFE_S
 
@@ -60,6 +69,7 @@ class Holding:
     held: dict[str, float] = field(default_factory=dict)
     loading: dict[str, float] = field(default_factory=dict)
     since: dict[str, float] = field(default_factory=dict)  # when each held model finished loading
+    cost: dict[str, float] = field(default_factory=dict)  # how long each held model's load took, LOAD to LOADED
     pinned: set[str] = field(default_factory=set)  # its own models (not the catalog's): never let go
     refused: set[str] = field(default_factory=set)  # models it must not be asked to load (a fingerprint mismatch)
     draining: bool = False
@@ -76,7 +86,8 @@ class Placement:
         self._heat: dict[str, tuple[float, float]] = {}  # model -> (decayed request count, as of when)
         self._fingerprints: dict[str, str] = {}  # model -> its fingerprint, once a worker loaded it
         self.workers: dict[bytes, Holding] = {}
-        self._holders: dict[str, frozenset[bytes]] = {}
+        self._held_by: dict[str, frozenset[bytes]] = {}  # model -> the workers holding it (not draining)
+        self._holders: dict[str, frozenset[bytes]] = {}  # the same, less the loading ones while others are not
         self._starved_since: dict[str, float] = {}
         self._overloaded_since: dict[bytes, float] = {}
 
@@ -108,11 +119,12 @@ class Placement:
     def loaded(self, wid: bytes, model: str, now: float) -> bool:
         """A load finished; False when the worker was not loading it (a stale or forged LOADED)."""
         holding = self.workers.get(wid)
-        if holding is None or holding.loading.pop(model, None) is None:
+        if holding is None or (started := holding.loading.pop(model, None)) is None:
             return False
         holding.held[model] = now
         holding.since[model] = now
-        self._index(model)
+        holding.cost[model] = now - started
+        self._index_worker(wid)
         return True
 
     def failed(self, wid: bytes, model: str, now: float, *, retry: bool = False, refuse: bool = False) -> None:
@@ -126,6 +138,7 @@ class Placement:
             holding.refused.add(model)
         if holding.held.pop(model, None) is not None:
             self._index(model)
+        self._index_worker(wid)
 
     def used(self, wid: bytes, model: str, now: float) -> None:
         """A job of `model` went to `wid` (called per placed job: a dict store, nothing more)."""
@@ -143,8 +156,14 @@ class Placement:
     # --- reading -------------------------------------------------------------------------
 
     def holders(self, model: str) -> frozenset[bytes]:
-        """The workers that hold `model` loaded and take jobs (the dispatcher's eligible set)."""
+        """The workers that may take a job of `model` now (the dispatcher's eligible set): those that
+        hold it and take jobs, less the ones loading while another holder is not. Empty exactly
+        when no worker holds it."""
         return self._holders.get(model, frozenset())
+
+    def held_by(self, model: str) -> frozenset[bytes]:
+        """Every worker that holds `model` loaded and takes jobs (what replicas are counted on)."""
+        return self._held_by.get(model, frozenset())
 
     def loading(self, model: str) -> bool:
         return any(model in h.loading for h in self.workers.values())
@@ -178,7 +197,7 @@ class Placement:
         actions: list[Load | Unload] = []
         for model in models:
             queued = demand.get(model, 0)
-            holders = self.holders(model)
+            holders = self.held_by(model)
             if self.loading(model):
                 continue
             if not holders:
@@ -219,7 +238,7 @@ class Placement:
                 continue
             hottest = max((m for m in self.workers[wid].held if m in placeable and not self.loading(m)),
                           key=lambda m: self.heat(m, now), default=None)
-            if hottest is None or any(held[w] <= bound for w in self.holders(hottest)):
+            if hottest is None or any(held[w] <= bound for w in self.held_by(hottest)):
                 continue
             got = self._load_somewhere(hottest, now, demand, busy)
             if got:
@@ -276,24 +295,34 @@ class Placement:
                 groups.setdefault(self._key(other), []).append(other)
             mine = []
             for members in groups.values():
-                if any(m in h.pinned or busy(wid, m) or (demand.get(m, 0) and len(self.holders(m)) <= 1)
+                if any(m in h.pinned or busy(wid, m) or (demand.get(m, 0) and len(self.held_by(m)) <= 1)
                        for m in members):
                     continue  # held here for its jobs, or its requests wait for this very worker
                 mine.append((sum(self.heat(m, now) for m in members), max(h.held[m] for m in members),
-                             max(h.since.get(m, -math.inf) for m in members), wid, members))
+                             max(self._evictable(h, m) for m in members), wid, members))
             coldest = min(mine, key=lambda v: v[:2], default=None)
-            if coldest is not None and now - coldest[2] >= self.min_residency:
+            if coldest is not None and now >= coldest[2]:
                 victims.append(coldest)  # (a coldest one loaded just now: wait for it, rather than evict a hotter one)
         if not victims:
             return []
         *_, wid, members = min(victims, key=lambda v: v[:2])
         return [*(self._stop(wid, m) for m in members), self._start(wid, model, now)]
 
+    def _evictable(self, holding: Holding, model: str) -> float:
+        """When a held model may be let go for another: after `min_residency`, or sooner after a
+        cheap load (RESIDENCY_PER_LOAD x its load's time: a forked worker's wake of the template's
+        copy takes a round trip), so the time a slot spends loading stays a small share of its time.
+        A model the worker joined with has no residency to wait for (as before any load)."""
+        since = holding.since.get(model)
+        if since is None:
+            return -math.inf
+        return since + min(self.min_residency, RESIDENCY_PER_LOAD * holding.cost.get(model, math.inf))
+
     def _idle_replicas(self, now: float, demand: dict[str, int], busy: Callable[[bytes, str], bool]) -> list[Load | Unload]:
         actions: list[Load | Unload] = []
         for wid, holding in self.workers.items():
             for model, last in list(holding.held.items()):
-                if (now - last >= self.idle_after and model not in holding.pinned and len(self.holders(model)) > 1
+                if (now - last >= self.idle_after and model not in holding.pinned and len(self.held_by(model)) > 1
                         and not demand.get(model, 0) and not busy(wid, model)):
                     actions.append(self._stop(wid, model))
         return actions
@@ -307,6 +336,7 @@ class Placement:
             if model in holding.held or model in holding.loading:
                 holding.loading.pop(model, None)
                 out.append(self._stop(wid, model))
+                self._index_worker(wid)
         return out
 
     def reset(self, model: str) -> None:
@@ -318,18 +348,30 @@ class Placement:
 
     def _start(self, wid: bytes, model: str, now: float, share: str | None = None) -> Load:
         self.workers[wid].loading[model] = now
+        if share is None:  # a shared name loads nothing: the worker keeps serving
+            self._index_worker(wid)
         return Load(wid, model, share)
 
     def _stop(self, wid: bytes, model: str) -> Unload:
         holding = self.workers[wid]
         holding.held.pop(model, None)
         holding.since.pop(model, None)
+        holding.cost.pop(model, None)
         self._index(model)
         return Unload(wid, model)
 
     def _index(self, model: str) -> None:
         found = frozenset(wid for wid, h in self.workers.items() if model in h.held and not h.draining)
         if found:
-            self._holders[model] = found
+            self._held_by[model] = found
+            self._holders[model] = frozenset(w for w in found if not self.workers[w].loading) or found
         else:
+            self._held_by.pop(model, None)
             self._holders.pop(model, None)
+
+    def _index_worker(self, wid: bytes) -> None:
+        """Its loads started or ended: whether it takes its models' jobs changed."""
+        holding = self.workers.get(wid)
+        if holding is not None:
+            for model in holding.held:
+                self._index(model)

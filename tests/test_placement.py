@@ -182,3 +182,30 @@ def test_an_overloaded_workers_hottest_model_gets_a_replica_where_jobs_are_fewer
     p.loaded(W2, "hot", 1.2)
     assert p.plan(1.3, **args) == []  # the hot model is on both: nothing more to spread
     assert p.plan(2.0, **{**args, "jobs": {W1: 10, W2: 9}.get}) == []  # balanced
+
+
+def test_a_worker_that_loads_gets_no_jobs_of_its_other_models_while_another_holder_is_free():
+    p = Placement(3)
+    p.add_worker(W1, ["a"], 0.0)
+    p.add_worker(W2, ["a"], 0.0)
+    assert plan(p, 1.0, ["a", "b"], demand={"b": 1}) == [Load(W1, "b")]
+    assert p.holders("a") == {W2} and p.held_by("a") == {W1, W2}  # W1 parses: its GIL is held
+    p.loaded(W1, "b", 2.0)
+    assert p.holders("a") == {W1, W2}
+    p.remove_worker(W2)
+    assert plan(p, 3.0, ["a", "b", "c"], demand={"c": 1}) == [Load(W1, "c")]
+    assert p.holders("a") == {W1}  # the only holder takes the jobs, loading or not
+    p.failed(W1, "c", 3.5)
+    assert p.holders("a") == p.held_by("a") == {W1}
+
+
+def test_a_model_whose_load_was_a_wake_may_give_its_slot_up_sooner():
+    p = Placement(1, min_residency=1.0)
+    p.add_worker(W1, [], 0.0)
+    assert plan(p, 0.0, ["a", "b", "c"], demand={"a": 1}) == [Load(W1, "a")]
+    p.loaded(W1, "a", 0.002)  # 2 ms: a forked worker woke the template's copy
+    assert plan(p, 0.01, ["a", "b", "c"], demand={"b": 1}) == []  # held 8 ms: under 10 x its load
+    assert plan(p, 0.03, ["a", "b", "c"], demand={"b": 1}) == [Unload(W1, "a"), Load(W1, "b")]
+    p.loaded(W1, "b", 0.83)  # 0.8 s: a parse
+    assert plan(p, 1.5, ["a", "b", "c"], demand={"c": 1}) == []  # min_residency bounds the wait: 1 s, not 8
+    assert plan(p, 1.9, ["a", "b", "c"], demand={"c": 1}) == [Unload(W1, "b"), Load(W1, "c")]

@@ -6,9 +6,18 @@ thread takes loads one after another and hands each finished one back through a 
 byte to a pipe that the main thread's poller watches, so a finished load is installed at once,
 between two rounds of jobs. The same thread then builds each new tokenizer's fast engine and runs
 its probes (workers/engine.py): the model is served by its reference library meanwhile, and the
-main thread switches it over between two rounds, with no pause and the same ids. The loader thread never touches the registry; `Catalog` does, on the
-main thread only, and turns every outcome into the `Loaded` the broker reads (docs/protocol.md,
-"The model catalog").
+main thread switches it over between two rounds, with no pause and the same ids. The loader thread
+never touches the registry; `ModelInstaller` does, on the main thread only, and turns every outcome
+into the `Loaded` the broker reads (docs/protocol.md, "The model catalog"; the catalog itself is
+the broker's, broker/catalog.py).
+
+A forked local worker rarely loads at all: the template loaded every configured model before the
+fork, and the ones the cap left out wait dormant in the registry (workers/registry.py `preload`),
+so a LOAD of one wakes it between two rounds. That matters beyond speed: a tokenizer's parse
+(`tokenizers.Tokenizer.from_file`, building the fast engine) holds the GIL for the whole of it,
+0.4-1.7 s for the models of scripts/bench_placement and several seconds under load, so a worker
+that loads serves nothing and beats no heartbeat meanwhile (the broker grants it a grace while a
+LOAD is outstanding, broker/backend.py).
 """
 
 from __future__ import annotations
@@ -44,13 +53,22 @@ class Ticket:
     cancelled: bool = False
 
 
+# Under a cap, a model loaded on demand gets its fast engine only once it has stayed this long:
+# building and probing fastokens holds the GIL as a parse does (1-6 s for these models), more than
+# a model that takes its turn in a slot for a few seconds saves with it.
+ENGINE_AFTER_S = 30.0
+
+
 @dataclass(eq=False)
 class EngineTicket:
-    """A loaded tokenizer to give its fast engine, under --tokenizer-backend `mode`."""
+    """A loaded tokenizer to give its fast engine, under --tokenizer-backend `mode`, not before
+    `not_before` (monotonic); `cancelled` (main thread): its model was let go, build nothing."""
 
     tokenizer: Tokenizer
     name: str
     mode: str
+    not_before: float = 0.0
+    cancelled: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,13 +134,14 @@ class Loader:
     def __init__(self, cache_config: CacheConfig) -> None:
         self._cache_config = cache_config
         # Loads go before fast engines: a model the broker waits for is never held up by a speed-up.
-        self._todo: queue.PriorityQueue[tuple[int, int, Ticket | EngineTicket | None]] = queue.PriorityQueue()
+        self._todo: queue.PriorityQueue[tuple[float, int, Ticket | EngineTicket | None]] = queue.PriorityQueue()
         self._order = itertools.count()
         self._done: queue.SimpleQueue[Outcome | EngineOutcome] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._thread: threading.Thread | None = None
+        self._submitted = threading.Event()  # wakes a thread waiting out a deferred engine ticket
 
     @property
     def fd(self) -> int:
@@ -140,7 +159,9 @@ class Loader:
         if self._thread is None:  # started on the first load: a worker that never loads has no thread
             self._thread = threading.Thread(target=self._run, name="tokenbroker-loader", daemon=True)
             self._thread.start()
-        self._todo.put((1 if isinstance(ticket, EngineTicket) else 0, next(self._order), ticket))
+        # engine builds after every load, the one due first first
+        self._todo.put((max(1.0, ticket.not_before) if isinstance(ticket, EngineTicket) else 0.0, next(self._order), ticket))
+        self._submitted.set()
 
     def finished(self) -> list[Outcome | EngineOutcome]:
         """Every load finished since the last call (main thread)."""
@@ -154,7 +175,8 @@ class Loader:
 
     def close(self) -> None:
         """Stop the thread after the load it is running (it is a daemon: a process leaving does not wait)."""
-        self._todo.put((-1, next(self._order), None))
+        self._todo.put((-1.0, next(self._order), None))
+        self._submitted.set()
 
     def idle(self, timeout: float) -> bool:
         """After close(): True once the thread has ended (or never started), waiting at most `timeout`."""
@@ -164,7 +186,18 @@ class Loader:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        while (ticket := self._todo.get()[2]) is not None:
+        while (item := self._todo.get())[2] is not None:
+            ticket = item[2]
+            if isinstance(ticket, EngineTicket) and not ticket.cancelled and ticket.not_before > time.monotonic():
+                self._submitted.clear()  # a submit from now on wakes the wait
+                self._todo.put(item)
+                with self._todo.mutex:
+                    first = self._todo.queue[0][2] is ticket  # else something submitted meanwhile goes first
+                if first:
+                    self._submitted.wait(ticket.not_before - time.monotonic())
+                continue
+            if isinstance(ticket, EngineTicket) and ticket.cancelled:
+                continue
             if isinstance(ticket, EngineTicket):
                 start = time.monotonic()
                 engine, reason = speed_up(ticket.tokenizer, ticket.mode, name=ticket.name)
@@ -175,17 +208,19 @@ class Loader:
                 outcome = load_outcome(ticket, self._cache_config)
                 log.info("model %s: %s in %.2fs", ticket.spec.name, "loaded" if outcome.model else outcome.error,
                          outcome.seconds)
-            del ticket
+            del ticket, item
             self._done.put(outcome)
             del outcome  # the main thread holds the only reference: unloading it frees it
             self.wake()
 
 
-class Catalog:
-    """The worker's side of the catalog, on the main thread: answers B_LOAD and B_UNLOAD, and installs
-    finished loads. Every method returns the `Loaded` messages to send, in order.
+class ModelInstaller:
+    """Installs and lets go the worker's models as the broker says, on the main thread: answers
+    B_LOAD and B_UNLOAD, and installs finished loads. Every method returns the `Loaded` messages to
+    send, in order.
 
     - a LOAD for a model already loaded answers ok at once; one already loading answers when it ends;
+    - a LOAD of a dormant model (loaded by the template before the fork) wakes it and answers at once;
     - with `max_models` > 0, a LOAD that would take the worker past it (loaded + loading) answers
       retry=True at once (the broker unloads before it loads: this is a guard), as does one while leaving;
     - an UNLOAD of a loading model discards its result when it finishes: no LOADED is sent.
@@ -196,13 +231,18 @@ class Catalog:
         self.loader = loader
         self.max_models = max_models
         self.loading: dict[str, Ticket] = {}  # name -> the load that will install it
+        self.engines: dict[str, EngineTicket] = {}  # name -> its fast engine's build, deferred or under way
         for model in registry.models:  # loaded at start with their reference library
             self._speed_up(model)
 
-    def _speed_up(self, model: Model) -> None:
-        """Have the loader build and probe `model`'s fast engine (unless --tokenizer-backend reference)."""
-        if self.registry.backend_mode != "reference" and model.tokenizer.fast is None:
-            self.loader.submit(EngineTicket(model.tokenizer, model.name, self.registry.backend_mode))
+    def _speed_up(self, model: Model, *, after: float = 0.0) -> None:
+        """Have the loader build and probe `model`'s fast engine (unless --tokenizer-backend reference),
+        not before `after` seconds from now."""
+        tok = model.tokenizer
+        if self.registry.backend_mode != "reference" and tok.fast is None and tok not in self.registry.engine_refused:
+            ticket = EngineTicket(tok, model.name, self.registry.backend_mode, time.monotonic() + after)
+            self.engines[model.name] = ticket
+            self.loader.submit(ticket)
 
     def load(self, body: bytes, *, leaving: bool = False) -> list[Loaded]:
         try:
@@ -229,6 +269,11 @@ class Catalog:
         taken = self._taken((name, *spec.aliases))
         if taken is not None:
             return [Loaded(name, False, error=f"the name {taken!r} is already taken by another model on this worker")]
+        woken = self.registry.wake(spec)
+        if woken is not None:
+            self._speed_up(woken)
+            log.info("model %s: served from the template's copy (no load)", name)
+            return [Loaded(name, True, fingerprint=woken.fingerprint, info=woken.info().to_wire(), seconds=0.0)]
         ticket = Ticket(spec)
         self.loading[name] = ticket
         self.loader.submit(ticket)
@@ -262,6 +307,12 @@ class Catalog:
             ticket.cancelled = True
             log.info("model %s: unloaded while loading; its load will be discarded", name)
         elif self.registry.unload(name) is not None:
+            engine = self.engines.pop(name, None)
+            if engine is not None and not self.registry.holds(engine.tokenizer):
+                engine.cancelled = True  # not built yet (or its result is skipped): the model is gone
+            if name in self.registry.dormant:
+                log.info("model %s: unloaded (dormant again: the template's copy stays shared)", name)
+                return
             release_memory()
             log.info("model %s: unloaded", name)
         else:
@@ -290,8 +341,8 @@ class Catalog:
                 except ValueError as e:  # cannot happen while `load` checks names; said, never raised
                     out.append(Loaded(name, False, error=str(e)[:MAX_ERROR_CHARS], seconds=outcome.seconds))
                     continue
-                if twin is None:
-                    self._speed_up(model)
+                if twin is None:  # under a cap, a model taking its turn in a slot may never need it
+                    self._speed_up(model, after=ENGINE_AFTER_S if self.max_models > 0 else 0.0)
             out.append(outcome.loaded())
         return out
 
@@ -299,7 +350,12 @@ class Catalog:
         """Serve a tokenizer with its fast engine from the next round on (main thread, between rounds:
         one attribute set, so no job sees half a switch). A tokenizer let go meanwhile is skipped."""
         tok = outcome.ticket.tokenizer
-        if outcome.engine is None or not self.registry.holds(tok):
+        if self.engines.get(outcome.ticket.name) is outcome.ticket:
+            del self.engines[outcome.ticket.name]
+        if outcome.engine is None:
+            self.registry.engine_refused[tok] = outcome.reason or "refused"
+            return
+        if not self.registry.holds(tok):
             return
         serve_fast(self.registry, tok, outcome.engine)
         log.info("model %s: now served by %s (engine ready %.2fs after its load)", outcome.ticket.name,
@@ -310,7 +366,8 @@ def serve_fast(registry: ModelRegistry, tok: Tokenizer, engine: FastEngine) -> N
     """Serve `tok` with `engine` from now on: every model of the registry that shares it lets its L1
     go (re-encoding with fastokens costs less than L1's cuts and copies)."""
     tok.fast = engine
-    for cache in {id(m.cache): m.cache for m in registry.models if m.tokenizer is tok}.values():
+    models = (*registry.models, *registry.dormant.values())
+    for cache in {id(m.cache): m.cache for m in models if m.tokenizer is tok}.values():
         cache.fast_engine_serves()
 
 

@@ -62,7 +62,7 @@ from tokenbroker.common.protocol import (
 
 from .background import Lane
 from .config import WorkerConfig
-from .loader import Catalog, Loader
+from .loader import Loader, ModelInstaller
 from .ops import Ops, PendingJob
 from .registry import ModelRegistry
 
@@ -104,7 +104,7 @@ class Worker:
         # Chats render, and long texts encode, while the rounds go on (workers/background.py).
         self.lanes = (Lane("render"), Lane("encode"))
         ops.renders, ops.encodes = self.lanes
-        self.catalog = Catalog(registry, self.loader, config.models.max_models)
+        self.installer = ModelInstaller(registry, self.loader, config.models.max_models)
         self.lock = threading.Lock()  # held by whoever touches `sock`
         self.sock: zmq.Socket | None = None
         self.poller: zmq.Poller | None = None
@@ -189,7 +189,7 @@ class Worker:
                     liveness, backoff, heard = HEARTBEAT_LIVENESS, RECONNECT_INIT_S, True
                     drained |= self._take(jobs, bye_at is not None)
                 if self.loader.fd in events:
-                    for loaded in self.catalog.finished():
+                    for loaded in self.installer.finished():
                         self._send([W_LOADED, loaded.to_wire()])
                 finished = [lane for lane in self.lanes if lane.fd in events]
                 now = time.monotonic()
@@ -216,7 +216,7 @@ class Worker:
             if jobs:
                 self._run_round(jobs)
             while self.unloads:
-                self.catalog.unload(self.unloads.pop(0))
+                self.installer.unload(self.unloads.pop(0))
         self.loader.close()
         for lane in self.lanes:
             lane.close()
@@ -248,7 +248,7 @@ class Worker:
                 log.warning("the broker had forgotten this worker (it was silent): saying READY again")
                 self._send([W_READY, self._ready()])
             elif kind == B_LOAD and len(frames) == 2:
-                for loaded in self.catalog.load(frames[1], leaving=after_bye or self.leaving.is_set()):
+                for loaded in self.installer.load(frames[1], leaving=after_bye or self.leaving.is_set()):
                     self._send([W_LOADED, loaded.to_wire()])
             elif kind == B_UNLOAD and len(frames) == 2:
                 self.unloads.append(frames[1])

@@ -3,7 +3,10 @@
 Configured models load at start (a worker that cannot load says so and exits): all of them, or only
 the default with --max-models-per-worker, the rest installed and let go as the broker says
 (loader.py loads them off the main thread; `install` and `unload` run on the main thread only, so
-`resolve` never sees a half-built state). The counting ladder's OpenAI encodings and fallback load
+`resolve` never sees a half-built state). The template that local workers fork from
+(workers/zygote.py) loads the rest too, dormant: not served, not counted against the cap, shared
+by every forked worker; a LOAD of one of them wakes it at once instead of parsing it again, and an
+UNLOAD puts it back to sleep (docs/sizing.md, "What the cap means"). The counting ladder's OpenAI encodings and fallback load
 on first use, the encodings from local files only. The registry is an object the worker owns, never
 a module global.
 """
@@ -11,7 +14,7 @@ a module global.
 from __future__ import annotations
 
 import logging
-import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,11 +167,22 @@ class ModelRegistry:
     """The models loaded now, and how request model names resolve to them.
 
     At start it loads every configured model, or only the default when `max_models` > 0. Only the
-    main thread (the one that serves jobs) calls `install` and `unload`, so lookups need no lock.
+    main thread (the one that serves jobs) calls `install`, `wake`, `unload` and the counting
+    ladder's `encoding` and `fallback`, so nothing here needs a lock (the loader thread builds a
+    `Model` apart and never sees the registry; the lanes get a model, never the registry).
     """
 
     def __init__(self, config: ModelConfig) -> None:
         self._config = config
+        # Loaded before the fork but not served (the template's `preload`): name -> model. `_resident`
+        # is every model this process had before it forked, served or not: unloading one of them puts
+        # it back here (freeing it would write to, and so copy, the pages the pool shares).
+        self.dormant: dict[str, Model] = {}
+        self._resident: dict[str, Model] = {}
+        # Tokenizers whose fast engine was built and refused (fastokens cannot load it, or a probe
+        # differed), here or in the template: never built again (a forked worker retried every one,
+        # each a second of CPU with the GIL held, and again on every wake of a dormant model).
+        self.engine_refused: weakref.WeakKeyDictionary[Tokenizer, str] = weakref.WeakKeyDictionary()
         specs = config.models[:1] if config.max_models > 0 else config.models
         self._default_name = config.models[0].name
         self.models: list[Model] = []
@@ -180,12 +194,33 @@ class ModelRegistry:
                 self._by_name[n] = m
         self._map = TokenizerMap(config.tokenizer_map)
         self._extras: dict[str, Model | None] = {}
-        self._extras_lock = threading.Lock()
+
+    def preload(self) -> int:
+        """The template, before it forks (workers/zygote.py): load, dormant, every configured model
+        that the cap left out, so every forked worker can wake any of them without a load. Returns
+        how many distinct tokenizers that added."""
+        held = {m.fingerprint for m in self.models}
+        for spec in self._config.models:
+            if self.get(spec.name) is None and spec.name not in self.dormant:
+                self.dormant[spec.name] = self._once(load_model(spec, self._config.cache))
+        self._resident = {m.name: m for m in (*self.models, *self.dormant.values())}
+        return len({m.fingerprint for m in self.dormant.values()} - held)
+
+    def wake(self, spec: ModelSpec) -> Model | None:
+        """Serve a dormant model now (main thread), if one was loaded from this very spec: the LOAD
+        costs a dict move instead of a parse. None when there is none (load it)."""
+        model = self.dormant.get(spec.name)
+        if model is None or model.spec != spec:
+            return None
+        del self.dormant[spec.name]
+        self.install(model)
+        return model
 
     def _once(self, model: Model) -> Model:
         """A startup model whose tokenizer another one already loaded (same fingerprint: two names
         for one file, or copies of it) is served by that one, as a B_LOAD would: one copy held."""
-        twin = self.twin(model.fingerprint)
+        fingerprint = model.fingerprint
+        twin = self.twin(fingerprint) or next((m for m in self.dormant.values() if m.fingerprint == fingerprint), None)
         if twin is None:
             return model
         log.info("model %s: served with the tokenizer of model %s (same fingerprint)", model.name, twin.name)
@@ -271,8 +306,7 @@ class ModelRegistry:
             if prior is not None and prior is not model:
                 log.info("the alias %r moves from model %s to model %s", n, prior.name, model.name)
             self._by_name[n] = model
-        with self._extras_lock:  # counting finds this model for its source next time, not a copy loaded apart
-            self._extras.pop(model.spec.source, None)
+        self._extras.pop(model.spec.source, None)  # counting finds this model for its source next time, not a copy loaded apart
 
     def unload(self, name: str) -> Model | None:
         """Let the model named `name` go (main thread only): its names, and every other reference this
@@ -284,9 +318,10 @@ class ModelRegistry:
         for n in model.names:
             if self._by_name.get(n) is model:
                 del self._by_name[n]
-        with self._extras_lock:
-            for source in [s for s, m in self._extras.items() if m is model]:
-                del self._extras[source]
+        for source in [s for s, m in self._extras.items() if m is model]:
+            del self._extras[source]
+        if self._resident.get(name) is model:  # loaded before the fork: asleep again, its pages still shared
+            self.dormant[name] = model
         return model
 
     def find(self, name: str) -> Model | None:
@@ -319,19 +354,18 @@ class ModelRegistry:
 
     def _extra(self, source: str) -> Model | None:
         """A model loaded on demand for counting, once; a loaded model with that source serves instead."""
-        with self._extras_lock:
-            if source not in self._extras:
-                loaded = next((m for m in self.models if m.spec.source == source), None)
-                if loaded is None and source in OPENAI_ENCODINGS:
-                    loaded = _local_encoding_model(source, self._config.cache)
-                elif loaded is None:
-                    name = EMBEDDED_DEFAULT_NAME if source == EMBEDDED_DEFAULT else source
-                    try:
-                        loaded = load_model(ModelSpec(name=name, source=source), self._config.cache)
-                    except BootError as e:
-                        log.warning("tokenizer %s is not available here: %s", source, e)
-                self._extras[source] = loaded
-            return self._extras[source]
+        if source not in self._extras:
+            loaded = next((m for m in (*self.models, *self.dormant.values()) if m.spec.source == source), None)
+            if loaded is None and source in OPENAI_ENCODINGS:
+                loaded = _local_encoding_model(source, self._config.cache)
+            elif loaded is None:
+                name = EMBEDDED_DEFAULT_NAME if source == EMBEDDED_DEFAULT else source
+                try:
+                    loaded = load_model(ModelSpec(name=name, source=source), self._config.cache)
+                except BootError as e:
+                    log.warning("tokenizer %s is not available here: %s", source, e)
+            self._extras[source] = loaded
+        return self._extras[source]
 
     def describe(self) -> list[dict]:
         return [m.describe() for m in self.models]

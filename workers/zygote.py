@@ -11,8 +11,10 @@ fork (workers/main.py `run`). Python objects are moved out of the collector's si
 
 The supervisor drives it over a pipe pair (common/process.py has the words): "fork NAME" on stdin
 starts a worker; "forked NAME PID" and "exit PID CODE" go back on --zygote-fd, so the supervisor
-learns of every exit although the workers are this process's children. Models a worker loads
-later (B_LOAD, add_model, loads on demand under --max-models-per-worker) are its own, as before.
+learns of every exit although the workers are this process's children. Under
+--max-models-per-worker the template loads every configured model (the ones past the cap dormant),
+so a forked worker's loads of them are wakes, not parses. Models a worker loads later (add_model,
+a model the flags did not name) are its own, as before.
 When stdin closes (the broker stops, or died), the template stops its workers (SIGTERM, then
 SIGKILL after a grace), reports their exits and leaves.
 """
@@ -41,7 +43,7 @@ from tokenbroker.common.process import (
 
 from .config import WorkerConfig
 from .engine import speed_up
-from .loader import serve_fast
+from .loader import release_memory, serve_fast
 from .registry import ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -71,7 +73,14 @@ class Zygote:
     def settle(self) -> None:
         """Compute, before forking, what every worker would compute alike after it: the fingerprints
         (a hash of each vocabulary) and the infos READY carries; wait for any thread loading runs (a
-        faster engine loaded in the background) to end; then freeze the heap's objects."""
+        faster engine loaded in the background) to end; then freeze the heap's objects.
+
+        Under --max-models-per-worker the template loads the models the cap left out too, dormant
+        (workers/registry.py `preload`): a forked worker wakes one when the broker places it there,
+        with no parse; the pool holds each for one shared copy (docs/sizing.md, "What the cap means")."""
+        if self.config.models.max_models > 0:
+            added = self.registry.preload()
+            log.info("template: %d more tokenizers loaded dormant for the capped workers", added)
         deadline = time.monotonic() + SETTLE_WAIT_S
         while thread_count() > 1 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -79,10 +88,11 @@ class Zygote:
             log.warning("template: %d threads still run after %.0fs (%s): forking the workers regardless",
                         thread_count(), SETTLE_WAIT_S, ", ".join(t.name for t in threading.enumerate()))
         self._speed_up()
-        for model in self.registry.models:
+        for model in (*self.registry.models, *self.registry.dormant.values()):
             model.fingerprint  # noqa: B018 - computed once and kept on the model
             model.info()
         gc.collect()
+        release_memory()  # the heap loading left free goes back before the fork: 1,154 -> 1,106 MiB pool PSS (9 tokenizers)
         gc.freeze()  # what exists now is never scanned (nor written to) by a worker's collector
 
     def _speed_up(self) -> None:
@@ -90,15 +100,17 @@ class Zygote:
         the workers share its pages too (DeepSeek's fastokens is ~118 MiB: built after the fork, every
         worker would hold its own copy and spend its own seconds of CPU building it). The pool is
         ready a few seconds later; a forked worker then has nothing to build (its loader sees `fast`
-        set)."""
+        set, or the refusal in `registry.engine_refused`)."""
         mode = self.registry.backend_mode
         if mode == "reference":
             return
-        for tok in {id(m.tokenizer): m.tokenizer for m in self.registry.models}.values():
-            if tok.fast is None:
-                engine, _ = speed_up(tok, mode)  # logs what it chose and why
+        for tok in {id(m.tokenizer): m.tokenizer for m in (*self.registry.models, *self.registry.dormant.values())}.values():
+            if tok.fast is None and tok not in self.registry.engine_refused:
+                engine, why = speed_up(tok, mode)  # logs what it chose and why
                 if engine is not None:
                     serve_fast(self.registry, tok, engine)
+                else:  # the workers inherit the verdict: none of them builds it again
+                    self.registry.engine_refused[tok] = why or "refused"
 
     # --- the loop ------------------------------------------------------------------------
 
