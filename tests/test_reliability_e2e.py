@@ -6,6 +6,7 @@
   connection before), and the connection still works;
 - a chat template sorting a long list for seconds while small requests arrive: they are answered
   while it renders (they waited for it before), counted, not timed;
+- detokenize_stream of one sequence of those ids, row and columnar: too_large the same way;
 - `serve` without --workers starts one worker per usable core.
 """
 
@@ -80,6 +81,34 @@ def test_detokenize_of_two_million_long_ids_is_too_large_before_any_text_is_buil
     # Near the limit, the bound is counted id by id and does not refuse a text that fits.
     short = conn.call("detokenize", tokens=(array("I", [token]) * 1000 + array("I", [64]) * 600_000).tobytes())
     assert short["ok"] and len(short["text"].encode()) == 1000 * length + 600_000, error_code(short)
+
+
+def _stream_fields(ids: array, columnar: bool) -> dict:
+    """One sequence of `ids` in a detokenize_stream request, in the row or the columnar form."""
+    if not columnar:
+        return {"seqs": [{"tokens": ids.tobytes()}]}
+    return {"columns": {"tokens": ids.tobytes(), "lengths": array("I", [len(ids)]).tobytes(), "states": b"",
+                        "state_lengths": array("I", [0]).tobytes()}}
+
+
+@pytest.mark.parametrize("columnar", [False, True], ids=["rows", "columns"])
+def test_a_stream_step_whose_text_would_pass_the_reply_limit_is_too_large_before_it_is_built(default_broker, columnar):
+    broker, conn = default_broker
+    token, length = _longest_token()
+    ids = array("I", [token]) * 2_000_000
+    workers = broker.worker_pids()
+    before = {pid: (rss(pid), status_bytes(pid, "VmHWM")) for pid in workers}
+    reply = conn.call("detokenize_stream", **_stream_fields(ids, columnar), timeout=60)
+    assert error_code(reply) == "too_large" and "--max-reply-bytes" in reply["error"]["message"], reply
+    for pid in workers:
+        resident, peak = before[pid]
+        assert status_bytes(pid, "VmHWM") <= max(peak, resident + WORKER_GROWTH), "the worker built the text"
+    # Near the limit the bound is counted id by id: a step that fits is served, text and all.
+    fits = array("I", [token]) * 1000 + array("I", [64]) * 600_000
+    reply = conn.call("detokenize_stream", **_stream_fields(fits, columnar), timeout=60)
+    assert reply["ok"], reply
+    text = reply["columns"]["text"] if columnar else reply["seqs"][0]["text"].encode()
+    assert len(text) == 1000 * length + 600_000
 
 
 def _send(conn: Conn, body: bytes) -> None:

@@ -87,6 +87,7 @@ class Ops:
         self.worker_name = worker_name
         self.limits = registry.limits
         self.deadline = float("inf")  # of the job being served (time.monotonic()); batches stop past it
+        self.payload_bytes = 0  # of the job being served: what detokenize_stream's free reply bound reads
         caches = registry.cache_config
         self.tokenin = Tokenin(CHAIN_MEMO_BYTES if caches.l0_enabled or caches.l1_enabled else 0)
         # Set by the worker: chats render, and long texts encode, off its round loop (workers/background.py).
@@ -99,7 +100,8 @@ class Ops:
         its encode: `finish_deferred` answers them.
 
         Plain tokenize jobs of one model with its caches off go through one batch encode (which
-        releases the GIL); the rest are served one by one. Replies equal what `handle` gives.
+        releases the GIL); the rest are served one by one, by `_serve`, which the batch encode's
+        replies equal. `run` is the one entry point: the worker calls it, and so do the tests.
         """
         out: list[tuple[int, str, bytes] | None] = [None] * len(jobs)
         groups: dict[tuple[int, bool], tuple[Any, list[tuple[int, Request]]]] = {}
@@ -117,7 +119,8 @@ class Ops:
                 continue
             model = self._plain_tokenize_model(request)
             if model is None:
-                reply, outcome = self.serve(request, deadline=job.received + job.budget_ms / 1000 if job.budget_ms else None)
+                reply, outcome = self._serve(request, len(job.payload),
+                                             deadline=job.received + job.budget_ms / 1000 if job.budget_ms else None)
                 out[i] = (job.job_id, outcome, reply)
                 continue
             add_special = request.payload.get("add_special_tokens") is not False
@@ -158,7 +161,7 @@ class Ops:
                 results = (tok.encode_u32 if u32 else tok.encode_many)(texts, add_special_tokens=add_special)
             except Exception:  # one text the batch call refuses: serve each alone, so only it fails
                 for i, request in part:
-                    reply, outcome = self.serve(request)
+                    reply, outcome = self._serve(request, len(jobs[i].payload))
                     out[i] = (jobs[i].job_id, outcome, reply)
                 continue
             for (i, request), tokens in zip(part, results):
@@ -188,20 +191,13 @@ class Ops:
         if done & 255 == 255 and time.monotonic() > self.deadline:
             raise ProtocolError("timeout", f"the deadline passed after {done + 1} items of the batch")
 
-    def handle(self, data: bytes) -> tuple[bytes, str]:
-        """Serve one client payload: (the reply bytes, "ok" or the error code)."""
-        try:
-            request = parse_request(data)
-        except ProtocolError as e:
-            return error_reply(raw_id(data), e.code, e.message), e.code
-        return self.serve(request)
-
-    def serve(self, request: Request, *, deadline: float | None = None,
-              fields: Callable[[], dict] | None = None) -> tuple[bytes, str]:
-        """Serve one parsed request: (the reply bytes, outcome). A batch inside it stops once
-        `deadline` (time.monotonic()) has passed. `fields` gives the op's reply fields instead of
-        its op_ method (a chat whose render finished in the background)."""
+    def _serve(self, request: Request, payload_bytes: int, *, deadline: float | None = None,
+               fields: Callable[[], dict] | None = None) -> tuple[bytes, str]:
+        """Serve one parsed request of `payload_bytes`: (the reply bytes, outcome). A batch inside it
+        stops once `deadline` (time.monotonic()) has passed. `fields` gives the op's reply fields
+        instead of its op_ method (a chat whose render finished in the background)."""
         self.deadline = float("inf") if deadline is None else deadline
+        self.payload_bytes = payload_bytes
         request_id = request.raw_id
         try:
             method = getattr(self, f"op_{request.op}", None)
@@ -363,8 +359,8 @@ class Ops:
             chat = self._chat_start(request.payload, request.model)
         except ProtocolError as e:
             return job.job_id, e.code, error_reply(request.raw_id, e.code, e.message)
-        except Exception:  # noqa: BLE001 - a bug: serve() says so, as it does inline
-            reply, outcome = self.serve(request)
+        except Exception:  # noqa: BLE001 - a bug: _serve() says so, as it does inline
+            reply, outcome = self._serve(request, len(job.payload))
             return job.job_id, outcome, reply
 
         def finish(done: Done) -> tuple[bytes, str]:
@@ -373,7 +369,7 @@ class Ops:
                     raise done.error
                 return self._chat_finish(chat, done.result, request.tokens_format)
 
-            return self.serve(request, fields=fields)
+            return self._serve(request, len(job.payload), fields=fields)
 
         self.renders.submit((job, finish), chat.render)
         return None
@@ -397,7 +393,7 @@ class Ops:
             return reply, outcome
 
         def finish(done: Done) -> tuple[bytes, str]:
-            return self.serve(request) if done.result is None else done.result
+            return self._serve(request, len(job.payload)) if done.result is None else done.result
 
         self.encodes.submit((job, finish), encode)
 
@@ -437,17 +433,18 @@ class Ops:
         return reply
 
     def op_detokenize_stream(self, p: dict, model_name: str | None, fmt: str) -> dict:
-        """Many sequences' next ids -> text deltas and states (workers/stream.py); touches no cache."""
+        """Many sequences' next ids -> text deltas and states (workers/stream.py); touches no cache.
+        The reply is charged to --max-reply-bytes before any text is built, in both forms."""
         columns = p.get("columns")
         if columns is not None:  # the columnar form (1.2): a few byte strings instead of a map per sequence
             if p.get("seqs") is not None:
                 raise ProtocolError("bad_request", "give 'seqs' or 'columns', not both")
             model = self.registry.resolve(model_name)
-            return model.stream_decoder().run_columns(columns, self.limits.max_batch_items)
+            return model.stream_decoder().run_columns(columns, self.limits.max_batch_items, ReplyBudget(self.limits.max_reply_bytes))
         seqs = req(p, "seqs", list)
         self._batch_items(seqs, "seqs")
         model = self.registry.resolve(model_name)
-        return {"seqs": model.stream_decoder().run(seqs)}
+        return {"seqs": model.stream_decoder().run(seqs, ReplyBudget(self.limits.max_reply_bytes), self.payload_bytes)}
 
     def op_models(self, p: dict, model_name: str | None, fmt: str) -> dict:
         return {"models": self.registry.describe()}

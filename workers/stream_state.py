@@ -87,6 +87,7 @@ def _u32(ids: list[int]) -> bytes:
 # only when there are stop strings or stop ids). Fixed fields first, so a step reads them with one
 # struct call; the options, the same for every step of a sequence, are parsed once per process.
 _HEADER = struct.Struct("<BHHBIII")  # flags, n context, n pending, n pending bytes, held bytes, options bytes, base_len + 1
+STATE_HEADER_BYTES = _HEADER.size
 _SKIP, _INCLUDE = 1, 2
 _OPTIONS_CACHE_MAX = 4096
 # Options are kept parsed (and states kept by the decoders) only when this small, so every cache of
@@ -135,6 +136,11 @@ def _options_blob(o: Options) -> bytes:
                 _blobs.clear()
             _blobs[o] = blob
     return blob
+
+
+def options_bytes(o: Options) -> int:
+    """What the options take in a packed state (a reply's budget counts them)."""
+    return len(_options_blob(o)) if (o.stop or o.stop_token_ids) else 0
 
 
 def unpack_state(data: bytes, key: bytes, index: int, where: str | None = None) -> SeqState:
