@@ -49,6 +49,17 @@ def small_frames(tmp_path_factory):
     broker.stop()
 
 
+@pytest.fixture(scope="module")
+def one_worker():
+    """One worker as served by default (fastokens, caches off, default limits): every request lands
+    where a large one runs."""
+    broker = start_broker("--tokenizer-backend", "auto", workers=1)
+    conn = Conn(broker.endpoint)
+    yield broker, conn
+    conn.close()
+    broker.stop()
+
+
 def _longest_token() -> tuple[int, int]:
     """The DeepSeek id whose text is longest, and that text's UTF-8 length."""
     tok = deepseek_tokenizer()
@@ -142,26 +153,27 @@ def test_a_frame_of_many_times_the_limit_is_answered_and_the_broker_stays_small(
     assert status_bytes(broker.proc.pid, "VmHWM") < before + frames * len(body)
 
 
-def _small_answered_while(conn: Conn, slow: dict) -> tuple[int, dict]:
-    """Send `slow`, then tiny tokenize requests one after another (each awaits its reply) until the
-    slow reply comes or 200 went: how many were answered before it, and its reply."""
-    conn.send({"id": "slow", **slow})
-    answered, reply = 0, None
-    for i in range(200):
+def _small_answered_while(conn: Conn, slow: dict, copies: int = 1, most: int = 200) -> tuple[int, dict]:
+    """Send `copies` of `slow`, then tiny tokenize requests one after another (each awaits its reply)
+    until every slow reply came or `most` went: how many were answered before, and the last slow reply."""
+    for k in range(copies):
+        conn.send({**slow, "id": f"slow{k}"})
+    answered, reply, pending = 0, None, copies
+    for i in range(most):
         conn.send({"id": i, "op": "tokenize", "text": f"small request {i}"})
         while True:
             got = conn.recv(timeout=60)
-            if got["id"] == "slow":
-                reply = got
+            if str(got["id"]).startswith("slow"):
+                reply, pending = got, pending - 1
                 continue
             assert got["id"] == i and got["ok"], got
             break
-        if reply is not None:
+        if not pending:
             break
         answered += 1
-    while reply is None:
-        reply = conn.recv(timeout=60)
-    assert reply["id"] == "slow"
+    while pending:
+        reply, pending = conn.recv(timeout=60), pending - 1
+        assert str(reply["id"]).startswith("slow")
     return answered, reply
 
 
@@ -183,3 +195,19 @@ def test_small_requests_are_served_while_a_long_text_encodes(small_frames):
     answered, long = _small_answered_while(conn, {"op": "tokenize", "text": " ".join(words), "tokens_format": "u32"})
     assert long["ok"] and long["count"] >= 100_000, long.get("error")
     assert answered >= 10, answered  # inline (and with the worker's bytes full at the broker), none was
+    # The list form of the same ids, packed in chunks on the lane, is the same reply.
+    _, listed = _small_answered_while(conn, {"op": "tokenize", "text": " ".join(words)})
+    assert listed["ok"] and array("I", listed["tokens"]).tobytes() == long["tokens"], listed.get("error")
+
+
+def test_small_requests_keep_being_answered_while_30_mb_frames_are_read_and_encoded(one_worker):
+    """The frames are taken without a copy, parsed and encoded on the encode lane in steps that each
+    hold the GIL for about a millisecond, and answered from the engine's packed ids: small requests
+    on the same worker keep being answered meanwhile. Before, each frame held the round loop (copy,
+    parse) and then the GIL (6,000,000 ids made Python ints, then packed) for about a second."""
+    _, conn = one_worker
+    text = "word " * 6_000_000
+    answered, big = _small_answered_while(conn, {"op": "tokenize", "text": text, "tokens_format": "u32"}, copies=4, most=5000)
+    assert big["ok"] and big["count"] >= 6_000_000, big.get("error")
+    print("small requests answered during four 30 MB frames:", answered)
+    assert answered >= 100, answered

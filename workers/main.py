@@ -72,6 +72,7 @@ RECONNECT_INIT_S = 0.1
 RECONNECT_MAX_S = 5.0
 MAX_ROUND_JOBS = 256  # jobs run in one round before their results go out
 WATCHDOG_GRACE_S = 2.0  # a round may run this long past its jobs' budgets before heartbeats stop
+LARGE_FRAME = 1 << 16  # frames longer than this are taken as views of ZeroMQ's buffer, never copied
 LANE_DRAIN_S = 11.0  # leaving, a worker waits this long for its renders and encodes (a render's budget is 10 s)
 
 
@@ -233,16 +234,22 @@ class Worker:
         now = time.monotonic()
         while len(jobs) < MAX_ROUND_JOBS:
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                msg = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            kind = frames[0]
+            # A large frame stays ZeroMQ's (a view): copying 30 MB would hold the GIL, and so every
+            # other job, for tens of milliseconds; the encode lane reads it (Ops.run).
+            kind = msg[0].bytes
             if kind == B_JOBS:
+                body = [f.buffer if len(f) > LARGE_FRAME else f.bytes for f in msg[1:]]
                 try:
-                    jobs.extend(PendingJob(job_id, budget, now, payload) for job_id, budget, payload in unpack_jobs(frames[1:]))
+                    jobs.extend(PendingJob(job_id, budget, now, payload if len(payload) > LARGE_FRAME else bytes(payload))
+                                for job_id, budget, payload in unpack_jobs(body))
                 except ValueError as e:
                     log.warning("ignoring a malformed job batch: %s", e)
-            elif kind == B_HEARTBEAT:
+                continue
+            frames = [f.bytes for f in msg]
+            if kind == B_HEARTBEAT:
                 drained |= after_bye  # the broker sends in order: every job it sent before is here
             elif kind == B_RESET and not after_bye:
                 log.warning("the broker had forgotten this worker (it was silent): saying READY again")
