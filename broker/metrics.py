@@ -201,6 +201,29 @@ def _pool_families(snapshot: PoolSnapshot, totals: Mapping[str, int]) -> Iterato
         capacity.add_metric([w.name], w.capacity)
         info.add_metric([w.name, w.host, str(w.pid)], 1)
     yield from (in_flight, capacity, info)
+    yield from _lane_families(workers)
+
+
+def _lane_families(workers: Iterable[WorkerView]) -> Iterator[Metric]:
+    """Each worker's background lanes (workers/background.py) from its heartbeat `lanes`: jobs held,
+    and threads its watchdog gave up on (still running: `wedged`; ever, in this worker process)."""
+    pending = GaugeMetricFamily("tokenbroker_worker_lane_jobs", "Jobs on a worker's background lane (chat renders, long encodes)",
+                                labels=["worker", "lane"])
+    wedged = GaugeMetricFamily("tokenbroker_worker_lane_wedged", "Lane threads given up on past a job's deadline and still inside their call",
+                               labels=["worker", "lane"])
+    replaced = GaugeMetricFamily("tokenbroker_worker_lane_replaced", "Lane threads this worker process gave up on and replaced, ever",
+                                 labels=["worker", "lane"])
+    for w in workers:
+        lanes = w.report.get("lanes")
+        if not isinstance(lanes, Mapping):
+            continue
+        for lane, stats in sorted(lanes.items(), key=lambda kv: str(kv[0])):
+            if not isinstance(stats, Mapping):
+                continue
+            pending.add_metric([w.name, str(lane)], _int(stats.get("pending")))
+            wedged.add_metric([w.name, str(lane)], _int(stats.get("wedged")))
+            replaced.add_metric([w.name, str(lane)], _int(stats.get("replaced")))
+    yield from (pending, wedged, replaced)
 
 
 def _process_families(workers: Iterable[WorkerView], started: float) -> Iterator[Metric]:

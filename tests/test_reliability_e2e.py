@@ -19,7 +19,8 @@ from array import array
 import msgpack
 import pytest
 
-from helpers import Conn, deepseek_tokenizer, error_code, rss, start_broker, status_bytes
+from helpers import (Conn, children, deepseek_tokenizer, error_code, free_port, rss, sample, scrape, start_broker, status_bytes,
+                     wait_until)
 from tokenbroker.broker.config import cgroup_cpu_quota
 
 MiB = 2**20
@@ -211,3 +212,40 @@ def test_small_requests_keep_being_answered_while_30_mb_frames_are_read_and_enco
     assert big["ok"] and big["count"] >= 6_000_000, big.get("error")
     print("small requests answered during four 30 MB frames:", answered)
     assert answered >= 100, answered
+
+
+BURN = r"""{%- if case == 'burn' -%}{%- for i in range(100000) -%}{%- for j in range(100000) -%}{%- endfor -%}{%- endfor -%}{%- endif -%}
+{%- for m in messages %}<{{ m.role }}>{{ m.content[:8] }}{% endfor -%}"""
+
+
+def test_a_render_past_its_deadline_is_given_up_and_the_render_lane_goes_on(tmp_path):
+    """A render that would use its whole 10 s budget, sent with a 1.5 s deadline: the lane's watchdog
+    answers it (timeout) once it runs a second past its deadline, kills its render child and takes
+    the next chat on a fresh thread and child (before, the next chat waited out the 10 s); the
+    heartbeat says the render lane gave up once and has no thread left inside a call."""
+    template = tmp_path / "burn.jinja"
+    template.write_text(BURN, encoding="utf-8")
+    port = free_port()
+    broker = start_broker("--chat-template", str(template), "--metrics-port", str(port), workers=1)
+    conn = Conn(broker.endpoint)
+    try:
+        (worker,) = broker.worker_pids()
+        chat = {"messages": [{"role": "user", "content": "hello"}]}
+        assert conn.call("chat", **chat)["ok"]
+        (child,) = children(worker)  # the render child, started by that render
+        slow = conn.call("chat", **chat, chat_template_kwargs={"case": "burn"}, deadline_ms=1500, timeout=30)
+        assert error_code(slow) == "timeout", slow
+        assert conn.call("chat", **chat, timeout=30)["ok"]
+        assert child not in children(worker), "the overdue render's child was left to run out its budget"
+        url = f"http://127.0.0.1:{port}/metrics"
+
+        def render_lane() -> dict[str, float]:
+            return {k[0]: v for k, v in scrape(url).items() if dict(k[1]).get("lane") == "render"}
+
+        # The thread given up on comes back once its child is killed: no thread is left inside a call.
+        wait_until(lambda: render_lane().get("tokenbroker_worker_lane_replaced") == 1
+                   and render_lane().get("tokenbroker_worker_lane_wedged") == 0, what="the heartbeat's lane report")
+        assert broker.worker_pids() == [worker]
+    finally:
+        conn.close()
+        broker.stop()

@@ -158,3 +158,47 @@ def test_a_large_text_is_read_in_steps_as_parse_request_reads_it_whole(order):
     assert e.value.code == "bad_request" and "UTF-8" in e.value.message
     assert text_span(msgpack.packb({"op": "tokenize", "text": "short"})) is None
     assert text_span(msgpack.packb({"op": "chat", "messages": [{"content": text}]})) is None
+
+
+def test_a_lane_gives_up_on_a_call_past_its_deadline_and_runs_the_next_on_a_fresh_thread():
+    """A call that cannot be stopped (an encode inside the tokenizer, here a wait on an event) and
+    runs past its deadline: `watch` answers its job with Overdue, counts the thread wedged, and the
+    job queued behind it runs on a new thread; once the call returns, its thread ends and its
+    result is dropped (the job was answered already)."""
+    import threading
+    import time
+
+    from tokenbroker.workers.background import Lane, Overdue
+
+    lane = Lane("test", grace_s=0.0)
+    release, started = threading.Event(), threading.Event()
+
+    def stuck() -> str:
+        started.set()
+        release.wait(30)
+        return "late"
+
+    try:
+        lane.submit("stuck", stuck, deadline=time.monotonic() + 5)
+        lane.submit("next", lambda: "served")
+        assert started.wait(10)
+        assert not lane.watch(time.monotonic()) and lane.watch(time.monotonic() + 6) and not lane.watch(time.monotonic() + 6)
+        done = {}
+        deadline = time.monotonic() + 10
+        while len(done) < 2 and time.monotonic() < deadline:
+            done.update((d.key, d) for d in lane.finished())
+            time.sleep(0.01)
+        assert isinstance(done["stuck"].error, Overdue) and done["next"].result == "served"
+        assert lane.report() == {"pending": 0, "wedged": 1, "replaced": 1}
+        release.set()
+        while lane.report()["wedged"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lane.report()["wedged"] == 0 and lane.finished() == []  # its late result is dropped
+        lane.submit("expired", lambda: "never run", deadline=time.monotonic() - 1)
+        while not lane._done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (expired,) = lane.finished()
+        assert isinstance(expired.error, Overdue)  # not started: nobody waits for it
+    finally:
+        release.set()
+        lane.close()

@@ -182,6 +182,13 @@ class RenderProcess:
             if self._child is not None:
                 self._discard(self._child)
 
+    def cancel(self) -> None:
+        """Kill the child now, from any thread (the lane's watchdog, past a job's deadline): a render
+        waiting on it returns at once with a template_error, and the next render starts a new child."""
+        child = self._child
+        if child is not None and child.proc.poll() is None:
+            child.proc.kill()
+
     def _await(self, child: _Child, deadline: float, max_seconds: float, max_bytes: int) -> dict:
         try:
             body = child.reader.read(deadline=deadline, max_size=max_bytes + 4 * _MAX_MESSAGE_CHARS + 4096)

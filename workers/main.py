@@ -15,6 +15,8 @@ Jobs that can run long go to lanes (background.py): a chat's render and the enco
 text run on their own threads, waiting on the render child or in the tokenizer without the GIL,
 and the poll watches their pipes: the rounds go on meanwhile, and a finished job is answered in
 the next turn. The broker sends a worker small jobs while it holds a long text (broker/dispatch.py).
+Each turn the lanes' watchdogs run: a lane job a second past its deadline is answered and the lane
+goes on with a fresh thread (its render child killed); heartbeats carry each lane's `wedged` count.
 
 Models load in the background when the broker says B_LOAD (loader.py); the poll watches the
 loader's pipe too, so a finished load is installed and said (W_LOADED) between two rounds. READY
@@ -149,6 +151,7 @@ class Worker:
             "served": self.served,
             "caches": self.stats,
             "backends": self.backends,
+            "lanes": {lane.name: lane.report() for lane in self.lanes},  # "wedged": threads given up on, still in a call
         }
         return [W_HEARTBEAT, pack(body)]
 
@@ -192,8 +195,10 @@ class Worker:
                 if self.loader.fd in events:
                     for loaded in self.catalog.finished():
                         self._send([W_LOADED, loaded.to_wire()])
-                finished = [lane for lane in self.lanes if lane.fd in events]
                 now = time.monotonic()
+                for lane in self.lanes:
+                    lane.watch(now)  # a job past its deadline is answered there; the lane goes on
+                finished = [lane for lane in self.lanes if lane.fd in events]
                 if now >= self.next_beat:
                     if self.orphaned():
                         log.warning("the broker that started this worker (pid %s) is gone: leaving", self.parent_pid)

@@ -69,6 +69,10 @@ class PendingJob:
     received: float  # time.monotonic() when it arrived
     payload: bytes | memoryview  # a view of ZeroMQ's frame when large (main.LARGE_FRAME): never copied on the round loop
 
+    def deadline(self) -> float | None:
+        """When nobody waits for its reply any more (time.monotonic()); None without a budget."""
+        return self.received + self.budget_ms / 1000 if self.budget_ms else None
+
 
 OFFLOAD_BYTES = 64 * 1024  # a tokenize payload longer than this is read, encoded and answered on the encode lane (~10 ms of work)
 
@@ -116,7 +120,7 @@ class Ops:
             if self.encodes is not None and len(job.payload) > OFFLOAD_BYTES:
                 span = text_span(job.payload)  # a long `text` (a tokenize): not even parsed here
                 if span is not None:
-                    self.encodes.submit((job, self._finish_large), partial(self._large, job, span))
+                    self.encodes.submit((job, self._finish_large), partial(self._large, job, span), job.deadline())
                     continue
             if type(job.payload) is not bytes:  # a large frame the worker took without copying
                 job.payload = bytes(job.payload)
@@ -131,7 +135,7 @@ class Ops:
             model = self._plain_tokenize_model(request)
             if model is None:
                 reply, outcome = self._serve(request, len(job.payload),
-                                             deadline=job.received + job.budget_ms / 1000 if job.budget_ms else None)
+                                             deadline=job.deadline())
                 out[i] = (job.job_id, outcome, reply)
                 continue
             add_special = request.payload.get("add_special_tokens") is not False
@@ -379,7 +383,7 @@ class Ops:
 
             return self._serve(request, len(job.payload), fields=fields)
 
-        self.renders.submit((job, finish), chat.render)
+        self.renders.submit((job, finish), chat.render, job.deadline(), chat.model.renderer().sandbox.cancel)
         return None
 
     def _large(self, job: PendingJob, span: tuple[int, int, int]) -> tuple[bytes, str] | Request:
@@ -430,7 +434,7 @@ class Ops:
         if request.op == "chat" and self.renders is not None:
             result = self._defer_chat(job, request)
             return None if result is None else (result[2], result[1])
-        return self._serve(request, len(job.payload), deadline=job.received + job.budget_ms / 1000 if job.budget_ms else None)
+        return self._serve(request, len(job.payload), deadline=job.deadline())
 
     def finish_deferred(self, lane: Lane) -> list[tuple[int, str, bytes]]:
         """The results of the jobs whose call on `lane` finished: (job id, outcome, reply) each."""
