@@ -351,7 +351,7 @@ def batch_ids(endpoint: str, items: list[str]) -> list[list[int]]:
 __all__ = [
     "BERT_DIR", "CHAT_TEMPLATES", "FIXTURES", "LSTRIP_DIR", "MODELS", "QWEN_TIKTOKEN", "SP_LEGACY_DIR", "BrokerProcess", "Conn", "Samples", "batch_ids",
     "children", "cmdline", "cpu_seconds", "deepseek_tokenizer", "error_code", "deepseek_tokenizer_json", "free_port", "rss", "sample", "scrape",
-    "series", "served_tokenizer", "serving", "smaps_rollup", "socket_inodes", "start_broker", "status_bytes", "until", "wait_until",
+    "series", "serve_payload", "served_tokenizer", "serving", "smaps_rollup", "socket_inodes", "start_broker", "status_bytes", "until", "wait_until",
 ]
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 
-from tokenbroker.common.process import EXIT_BOOT_ERROR, PARENT_PID_ENV, resident_bytes, use_one_thread
+from tokenbroker.common.process import EXIT_BOOT_ERROR, PARENT_PID_ENV, proportional_bytes, resident_bytes, use_one_thread
 
 use_one_thread()  # before tokenizers is first imported (common/process.py)
 
@@ -75,6 +75,7 @@ RECONNECT_MAX_S = 5.0
 MAX_ROUND_JOBS = 256  # jobs run in one round before their results go out
 WATCHDOG_GRACE_S = 2.0  # a round may run this long past its jobs' budgets before heartbeats stop
 LARGE_FRAME = 1 << 16  # frames longer than this are taken as views of ZeroMQ's buffer, never copied
+PSS_EVERY_S = 5.0  # PSS is read at most this often (a page-table walk), RSS with every heartbeat
 LANE_DRAIN_S = 11.0  # leaving, a worker waits this long for its renders and encodes (a render's budget is 10 s)
 
 
@@ -117,6 +118,8 @@ class Worker:
         self.stats: dict = registry.cache_stats()
         self.backends: dict[str, str] = registry.backends()  # model -> engine, as the switch to fastokens comes later
         self.next_beat = 0.0
+        self.pss: int | None = None  # proportional set size as last read (PSS_EVERY_S)
+        self.pss_at = 0.0
         self.round_until: float | None = None  # while a round computes: when it is overdue
         self.stuck_logged = False
         parent = os.environ.get(PARENT_PID_ENV, "")
@@ -144,10 +147,14 @@ class Worker:
         return build_ready(self.config, self.name, self.incarnation, self.registry).to_wire()
 
     def _heartbeat(self) -> list[bytes]:
+        now = time.monotonic()
+        if now >= self.pss_at:
+            self.pss, self.pss_at = proportional_bytes(), now + PSS_EVERY_S
         body = {
             "incarnation": self.incarnation,
             "pid": os.getpid(),
             "rss": resident_bytes(),
+            "pss": self.pss,  # None where /proc/self/smaps_rollup is not there
             "served": self.served,
             "caches": self.stats,
             "backends": self.backends,
