@@ -47,6 +47,7 @@ from tokenbroker.common.errors import ProtocolError
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MEMORY_BYTES = 512 * 2**20
+RENDER_NICE = 5  # the child's CPU priority below its worker's: its budget is wall time, so this costs only contended renders
 _GRACE_SECONDS = 0.5  # the child's own deadline check answers first, with the same message, and survives
 _HEADER = struct.Struct("<I")
 _MAX_MESSAGE_CHARS = 64 * 1024  # error messages a template builds are cut here
@@ -329,6 +330,7 @@ def main(argv: list[str]) -> None:
 
     max_memory_bytes = int(argv[0])
     _die_with_parent()
+    os.nice(RENDER_NICE)  # a render that burns its budget yields the CPU to the worker's small jobs
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when we stop (Ctrl-C reaches the group)
     out_fd = os.dup(1)
     os.dup2(2, 1)  # nothing but frames on the pipe, whatever prints
