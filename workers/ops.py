@@ -467,7 +467,7 @@ class Ops:
         return reply
 
     def op_detokenize_stream(self, p: dict, model_name: str | None, fmt: str) -> dict:
-        """Many sequences' next ids -> text deltas and states (workers/stream.py); touches no cache.
+        """Many sequences' next ids -> text deltas and states (workers/stream/); touches no cache.
         The reply is charged to --max-reply-bytes before any text is built, in both forms."""
         columns = p.get("columns")
         if columns is not None:  # the columnar form (1.2): a few byte strings instead of a map per sequence

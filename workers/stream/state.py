@@ -11,7 +11,7 @@ step; a changed byte, a truncation or a state made for another model fails the M
 derived from public data (the model's fingerprint), so the MAC detects corruption and foreign
 states but is no secret against a client that knows the model: such a client can forge a
 well-formed state. Decoding is therefore also safe on a forged state: every field is type-checked,
-sizes are bounded and ids are checked against the vocabulary by the caller (workers/stream.py).
+sizes are bounded and ids are checked against the vocabulary by the caller (workers/stream/).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ STATE_HEADER_BYTES = _HEADER.size
 _SKIP, _INCLUDE = 1, 2
 _OPTIONS_CACHE_MAX = 4096
 # Options are kept parsed (and states kept by the decoders) only when this small, so every cache of
-# this module and of workers/stream.py stays within a few MiB whatever clients send.
+# this module and of workers/stream/ stays within a few MiB whatever clients send.
 CACHED_OPTIONS_BYTES = 512
 _options_cache: dict[bytes, Options] = {}
 _plain = {f: Options(skip_special_tokens=bool(f & _SKIP), include_stop_str_in_output=bool(f & _INCLUDE)) for f in range(4)}

@@ -1,7 +1,7 @@
 """`detokenize_stream`: many sequences' new ids -> text deltas, exact, stateless, stop strings across steps.
 
 The contract is docs/protocol.md "Streaming detokenization". The service keeps no memory of a
-sequence: each step reads the sequence's state (workers/stream_state.py), decodes its new ids and
+sequence: each step reads the sequence's state (workers/stream/state.py), decodes its new ids and
 returns the new text with the next state.
 
 Two decoders, chosen per tokenizer once:
@@ -21,7 +21,7 @@ Two decoders, chosen per tokenizer once:
   leaves the state unchanged. All windows of a request go to one `decode_batch`.
 
 Stop strings are then matched over the released text, holding back the longest tail that could
-still begin one (workers/stream_text.py). States this worker made are kept parsed (bounded), so
+still begin one (workers/stream/text.py). States this worker made are kept parsed (bounded), so
 the next step skips the MAC and, when nothing changed, returns the same state bytes.
 """
 
@@ -35,14 +35,14 @@ from typing import Any
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import type_name
 
-from .budget import ReplyBudget, decoded_lengths
-from .stream_columns import FINISHED_CODE, Columns, columns_reply, read_columns
-from .stream_state import (
+from ..budget import ReplyBudget, decoded_lengths
+from .columns import FINISHED_CODE, Columns, columns_reply, read_columns
+from .state import (
     HEADER_BYTES, MAX_CONTEXT_IDS, MAX_PENDING_IDS, MAX_STOP_CHARS, MAX_STOP_STRINGS, STATE_HEADER_BYTES, Options, SeqState,
     options_bytes, pack_state, state_key, unpack_state)
-from .stream_text import stop_scan, unfinished_start, valid_utf8
-from .stream_vocab import anchor_token, byte_fallback_ids, byte_level_table, tiktoken_table
-from .tokenizers import InvalidTokenId, Tokenizer, check_ids
+from .text import stop_scan, unfinished_start, valid_utf8
+from .vocab import anchor_token, byte_fallback_ids, byte_level_table, tiktoken_table
+from ..tokenizers import InvalidTokenId, Tokenizer, check_ids
 
 # Released ids kept as decode context. One is enough for every decoder we know (they look at a
 # token's neighbour or its index only); the context then grows by the released ids up to
@@ -103,7 +103,7 @@ class StreamDecoder:
                                for i, b in enumerate(self.table)]
         # window states made here: state -> what it holds, so the next step need not verify it
         self._recent: dict[bytes, tuple] = {}
-        # one token that stands in for any context ending in a released non-byte token (see stream_vocab)
+        # one token that stands in for any context ending in a released non-byte token (see stream/vocab.py)
         found = None if self.table is not None else anchor_token(raw, self.vocab_size, self.skip_ids | frozenset(self.byte_ids))
         self.anchor, self.anchor_len = found if found is not None else (None, -1)
         # a byte token no byte completes, standing in for a byte group that is already invalid

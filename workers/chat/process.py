@@ -1,7 +1,7 @@
 """Chat templates render in a child process: a hard bound on memory (RLIMIT_AS) and wall time (a kill timer).
 
 Templates are hostile code (clients may send them with `add_model`; messages and chat_template_kwargs
-are client data). The sandbox in chat_sandbox.py checks every value a template builds, but a single
+are client data). The sandbox in chat/sandbox.py checks every value a template builds, but a single
 C-level call (sorting 16 million strings, one huge `str.join`) cannot be interrupted from inside the
 process, and any check we forget lets a value grow without bound. So the render itself runs in a child
 process that the worker starts once and reuses:
@@ -215,7 +215,8 @@ class RenderProcess:
         if self._child is None or self._child.proc.poll() is not None:
             if self._child is not None:
                 self._discard(self._child)
-            argv = [sys.executable, "-m", __name__, str(self.max_memory_bytes)]
+            # -c rather than -m: `-m` would import this module twice (its package's facade imports it first)
+            argv = [sys.executable, "-c", f"import sys; from {__name__} import main; main(sys.argv[1:])", str(self.max_memory_bytes)]
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True)
             self._child = _Child(proc, _FrameReader(proc.stdout.fileno()))
         return self._child
@@ -295,7 +296,7 @@ def _serve_one(env: Any, compiled: dict, names: dict, request: dict, max_memory_
     """Compile (once per template) and render one request; every failure becomes an error reply."""
     import jinja2
 
-    from .chat_sandbox import BudgetExceeded, generate_bounded
+    from .sandbox import BudgetExceeded, generate_bounded
 
     number = request["t"]
     if "src" in request:
@@ -326,7 +327,7 @@ def _serve_one(env: Any, compiled: dict, names: dict, request: dict, max_memory_
 
 def main(argv: list[str]) -> None:
     """The child: answer render requests on stdin until EOF, each render's address space capped."""
-    from .chat_sandbox import ChatEnvironment
+    from .sandbox import ChatEnvironment
 
     max_memory_bytes = int(argv[0])
     _die_with_parent()
