@@ -15,6 +15,7 @@ so a broker still booting answers neither.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -28,7 +29,7 @@ from bisect import bisect_left
 from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from tokenbroker.common.process import resident_bytes
+from tokenbroker.common.process import proportional_bytes, resident_bytes
 
 from .catalog import backend_counts
 from .snapshot import ModelView, PoolSnapshot, WorkerView
@@ -201,6 +202,29 @@ def _pool_families(snapshot: PoolSnapshot, totals: Mapping[str, int]) -> Iterato
         capacity.add_metric([w.name], w.capacity)
         info.add_metric([w.name, w.host, str(w.pid)], 1)
     yield from (in_flight, capacity, info)
+    yield from _lane_families(workers)
+
+
+def _lane_families(workers: Iterable[WorkerView]) -> Iterator[Metric]:
+    """Each worker's background lanes (workers/background.py) from its heartbeat `lanes`: jobs held,
+    and threads its watchdog gave up on (still running: `wedged`; ever, in this worker process)."""
+    pending = GaugeMetricFamily("tokenbroker_worker_lane_jobs", "Jobs on a worker's background lane (chat renders, long encodes)",
+                                labels=["worker", "lane"])
+    wedged = GaugeMetricFamily("tokenbroker_worker_lane_wedged", "Lane threads given up on past a job's deadline and still inside their call",
+                               labels=["worker", "lane"])
+    replaced = GaugeMetricFamily("tokenbroker_worker_lane_replaced", "Lane threads this worker process gave up on and replaced, ever",
+                                 labels=["worker", "lane"])
+    for w in workers:
+        lanes = w.report.get("lanes")
+        if not isinstance(lanes, Mapping):
+            continue
+        for lane, stats in sorted(lanes.items(), key=lambda kv: str(kv[0])):
+            if not isinstance(stats, Mapping):
+                continue
+            pending.add_metric([w.name, str(lane)], _int(stats.get("pending")))
+            wedged.add_metric([w.name, str(lane)], _int(stats.get("wedged")))
+            replaced.add_metric([w.name, str(lane)], _int(stats.get("replaced")))
+    yield from (pending, wedged, replaced)
 
 
 def _process_families(workers: Iterable[WorkerView], started: float) -> Iterator[Metric]:
@@ -219,6 +243,54 @@ def _process_families(workers: Iterable[WorkerView], started: float) -> Iterator
     yield GaugeMetricFamily("smg_allocator_allocated_bytes", "Memory the pool holds: resident memory of the broker and its live workers",
                             value=total)
     yield GaugeMetricFamily("tokenbroker_start_time_seconds", "When the broker started, in seconds since the Unix epoch", value=started)
+    yield from _proportional_families(workers, own)
+
+
+def _proportional_families(workers: Iterable[WorkerView], own_rss: int) -> Iterator[Metric]:
+    """PSS per process (the broker's and the template's read at scrape time, each worker's from its
+    heartbeat) and their sum: what the pool holds, shared pages counted once (RSS counts a forked
+    pool's shared tokenizers once per worker). A worker that reports no PSS counts its RSS."""
+    pss = GaugeMetricFamily("tokenbroker_process_proportional_memory_bytes",
+                            "Proportional set size (PSS) of the broker, the template local workers fork from, and each live worker",
+                            labels=["process"])
+    own = proportional_bytes()
+    total = own if own is not None else own_rss
+    pss.add_metric(["broker"], total)
+    template = _template_pid()
+    if template is not None and (size := proportional_bytes(template)) is not None:
+        pss.add_metric(["template"], size)
+        total += size
+    for w in workers:
+        size = _int(w.report.get("pss"))
+        if size:
+            pss.add_metric([w.name], size)
+        total += size or _int(w.report.get("rss"))
+    yield pss
+    yield GaugeMetricFamily("tokenbroker_pool_proportional_memory_bytes",
+                            "Memory the pool holds, shared pages counted once: the sum of the PSS series (RSS for a worker without PSS)",
+                            value=total)
+
+
+def _template_pid() -> int | None:
+    """The template process (workers/zygote.py) among this broker's children, if there is one."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                kids = f.read().split()
+        except OSError:
+            continue
+        for kid in kids:
+            try:
+                with open(f"/proc/{kid}/cmdline", "rb") as f:
+                    if b"--zygote-fd" in f.read():
+                        return int(kid)
+            except (OSError, ValueError):
+                continue
+    return None
 
 
 def _router_families(stats: Mapping[str, int]) -> Iterator[Metric]:

@@ -41,6 +41,21 @@ def resident_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def proportional_bytes(pid: int | str = "self") -> int | None:
+    """A process's proportional set size (PSS): its resident pages, each shared page divided among
+    the processes that map it, from /proc/PID/smaps_rollup (~0.1-1 ms: the kernel walks the page
+    tables). Forked workers share the template's pages, so RSS counts those once per worker and PSS
+    sums to the pool's real memory. None where the file is not there (not Linux, a process gone)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 # --- the template worker (workers/zygote.py) and the supervisor that drives it ---------------
 #
 # Local workers are forked from one template process that loaded the startup models, so they share

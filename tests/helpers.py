@@ -351,5 +351,14 @@ def batch_ids(endpoint: str, items: list[str]) -> list[list[int]]:
 __all__ = [
     "BERT_DIR", "CHAT_TEMPLATES", "FIXTURES", "LSTRIP_DIR", "MODELS", "QWEN_TIKTOKEN", "SP_LEGACY_DIR", "BrokerProcess", "Conn", "Samples", "batch_ids",
     "children", "cmdline", "cpu_seconds", "deepseek_tokenizer", "error_code", "deepseek_tokenizer_json", "free_port", "rss", "sample", "scrape",
-    "series", "served_tokenizer", "serving", "smaps_rollup", "socket_inodes", "start_broker", "status_bytes", "until", "wait_until",
+    "series", "serve_payload", "served_tokenizer", "serving", "smaps_rollup", "socket_inodes", "start_broker", "status_bytes", "until", "wait_until",
 ]
+
+
+def serve_payload(ops: Any, payload: bytes) -> tuple[bytes, str]:
+    """One client payload through a worker's `Ops.run` (its one entry point), as a round of one job:
+    (the reply bytes, its outcome)."""
+    from tokenbroker.workers.ops import PendingJob
+
+    ((_, outcome, reply),) = ops.run([PendingJob(0, 0, time.monotonic(), payload)])
+    return reply, outcome

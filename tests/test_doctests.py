@@ -1,7 +1,7 @@
 """Every docstring example in the installed package runs and shows what it says (`>>>` lines).
 
-The modules are imported by their installed names (tokenbroker.workers.chat_budget, not
-workers.chat_budget), which is why this is a test module rather than `pytest --doctest-modules`:
+The modules are imported by their installed names (tokenbroker.workers.chat.render_budget, not
+workers.chat.render_budget), which is why this is a test module rather than `pytest --doctest-modules`:
 with the package-dir layout that option imports broker/, workers/ and common/ under their folder
 names, a second copy of each module whose exception names no longer match the examples, and
 outside tests/, where conftest's offline tiktoken cache does not apply.

@@ -91,6 +91,28 @@ def test_counters_sum_workers_and_memory_sums_the_broker_and_workers():
     assert s[("smg_allocator_allocated_bytes", frozenset())] == sum(memory.values())
 
 
+def test_proportional_memory_sums_each_process_once_and_falls_back_to_rss():
+    m = PoolMetrics()
+    with_pss = {**report("a", rss=5000), "pss": 1500}
+    m.publish(snapshot(worker("w1", with_pss), worker("w2", report("b", rss=2000)), worker("w3", report("c"))))
+    s = scrape(m)
+    pss = {dict(k)["process"]: v for (n, k), v in s.items() if n == "tokenbroker_process_proportional_memory_bytes"}
+    assert pss["w1"] == 1500 and "w2" not in pss and "w3" not in pss and pss["broker"] > 0
+    # w2 reports no PSS (an older or non-Linux worker): its RSS counts; w3 has sent no memory yet.
+    assert s[("tokenbroker_pool_proportional_memory_bytes", frozenset())] == sum(pss.values()) + 2000
+
+
+def test_lane_reports_are_exported_per_worker_and_lane():
+    m = PoolMetrics()
+    lanes = {"render": {"pending": 1, "wedged": 1, "replaced": 2}, "encode": {"pending": 0, "wedged": 0, "replaced": 0}}
+    m.publish(snapshot(worker("w1", {**report("a"), "lanes": lanes}), worker("w2", {**report("b"), "lanes": "junk"})))
+    s = scrape(m)
+    assert s[("tokenbroker_worker_lane_wedged", frozenset({("worker", "w1"), ("lane", "render")}))] == 1
+    assert s[("tokenbroker_worker_lane_replaced", frozenset({("worker", "w1"), ("lane", "render")}))] == 2
+    assert s[("tokenbroker_worker_lane_jobs", frozenset({("worker", "w1"), ("lane", "render")}))] == 1
+    assert not [k for k in s if k[0].startswith("tokenbroker_worker_lane") and ("worker", "w2") in k[1]]
+
+
 def test_departed_worker_keeps_its_counts_and_loses_its_gauges():
     m = PoolMetrics()
     last = report("a", rss=1000, l0={"hits": 5, "misses": 2, "evictions": 1, "entries": 3})

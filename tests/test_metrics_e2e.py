@@ -128,6 +128,18 @@ def test_every_series_exists_with_its_labels(pool, traffic):
     s, memory = wait_until(memory_of_all, timeout=10, what="every worker's memory")
     assert all(v > 0 for v in memory.values()), memory
     assert sample(s, "smg_allocator_allocated_bytes") == sum(memory.values())
+    # PSS (workers read it every few seconds): each worker's is below its RSS (forked workers share
+    # the template's pages), and the pool's PSS sum below the RSS sum.
+    def pss_of_all():
+        s = scrape(pool.metrics)
+        pss = {dict(k)["process"]: v for k, v in series(s, "tokenbroker_process_proportional_memory_bytes").items()}
+        return (s, pss) if workers <= set(pss) else None
+
+    s, pss = wait_until(pss_of_all, timeout=15, what="every worker's PSS")
+    memory = {dict(k)["process"]: v for k, v in series(s, "tokenbroker_process_resident_memory_bytes").items()}
+    assert all(0 < pss[w] < memory[w] for w in workers), (pss, memory)
+    assert sample(s, "tokenbroker_pool_proportional_memory_bytes") == sum(pss.values())
+    assert sample(s, "tokenbroker_pool_proportional_memory_bytes") < sample(s, "smg_allocator_allocated_bytes")
     pids = {int(dict(k)["pid"]) for k in series(s, "tokenbroker_worker_info")}
     assert pids == set(pool.worker_pids())
 

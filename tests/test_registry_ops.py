@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from helpers import BERT_DIR
+from helpers import BERT_DIR, serve_payload
 from tokenbroker.common.config import CacheConfig, ModelConfig, ModelSpec
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.workers.ops import Ops
@@ -17,7 +17,7 @@ def _registry(cache: CacheConfig = CacheConfig(), tokenizer_map=(("*", "bert"),)
 
 
 def _call(ops: Ops, **body) -> dict:
-    return msgpack.unpackb(ops.handle(msgpack.packb(body, use_bin_type=True))[0], raw=False)
+    return msgpack.unpackb(serve_payload(ops, msgpack.packb(body, use_bin_type=True))[0], raw=False)
 
 
 def test_empty_model_name_is_unknown_even_with_a_catch_all_glob():
@@ -41,7 +41,7 @@ def test_reply_echoes_the_id_bytes_untouched():
     for raw_id in (b"\xca\x3f\xc0\x00\x00", b"\xcf\x00\x00\x00\x00\x00\x00\x00\x05", b"\xc4\x02\x00\xff", b"\xc3"):
         payload = b"\x83" + msgpack.packb("id") + raw_id + msgpack.packb("op") + msgpack.packb("tokenize") \
             + msgpack.packb("text") + msgpack.packb("hi")
-        reply, outcome = ops.handle(payload)
+        reply, outcome = serve_payload(ops, payload)
         assert outcome == "ok"
         decoded = msgpack.unpackb(reply, raw=False)
         assert len(decoded) < 16 and decoded["id"] == msgpack.unpackb(raw_id, raw=False)

@@ -6,6 +6,7 @@
   connection before), and the connection still works;
 - a chat template sorting a long list for seconds while small requests arrive: they are answered
   while it renders (they waited for it before), counted, not timed;
+- detokenize_stream of one sequence of those ids, row and columnar: too_large the same way;
 - `serve` without --workers starts one worker per usable core.
 """
 
@@ -18,7 +19,8 @@ from array import array
 import msgpack
 import pytest
 
-from helpers import Conn, deepseek_tokenizer, error_code, rss, start_broker, status_bytes
+from helpers import (Conn, children, deepseek_tokenizer, error_code, free_port, rss, sample, scrape, start_broker, status_bytes,
+                     wait_until)
 from tokenbroker.broker.config import cgroup_cpu_quota
 
 MiB = 2**20
@@ -42,6 +44,17 @@ def small_frames(tmp_path_factory):
     template = tmp_path_factory.mktemp("sorts") / "sorts.jinja"
     template.write_text(SORTS, encoding="utf-8")
     broker = start_broker("--max-request-bytes", "2000000", "--chat-template", str(template), workers=1)
+    conn = Conn(broker.endpoint)
+    yield broker, conn
+    conn.close()
+    broker.stop()
+
+
+@pytest.fixture(scope="module")
+def one_worker():
+    """One worker as served by default (fastokens, caches off, default limits): every request lands
+    where a large one runs."""
+    broker = start_broker("--tokenizer-backend", "auto", workers=1)
     conn = Conn(broker.endpoint)
     yield broker, conn
     conn.close()
@@ -82,6 +95,34 @@ def test_detokenize_of_two_million_long_ids_is_too_large_before_any_text_is_buil
     assert short["ok"] and len(short["text"].encode()) == 1000 * length + 600_000, error_code(short)
 
 
+def _stream_fields(ids: array, columnar: bool) -> dict:
+    """One sequence of `ids` in a detokenize_stream request, in the row or the columnar form."""
+    if not columnar:
+        return {"seqs": [{"tokens": ids.tobytes()}]}
+    return {"columns": {"tokens": ids.tobytes(), "lengths": array("I", [len(ids)]).tobytes(), "states": b"",
+                        "state_lengths": array("I", [0]).tobytes()}}
+
+
+@pytest.mark.parametrize("columnar", [False, True], ids=["rows", "columns"])
+def test_a_stream_step_whose_text_would_pass_the_reply_limit_is_too_large_before_it_is_built(default_broker, columnar):
+    broker, conn = default_broker
+    token, length = _longest_token()
+    ids = array("I", [token]) * 2_000_000
+    workers = broker.worker_pids()
+    before = {pid: (rss(pid), status_bytes(pid, "VmHWM")) for pid in workers}
+    reply = conn.call("detokenize_stream", **_stream_fields(ids, columnar), timeout=60)
+    assert error_code(reply) == "too_large" and "--max-reply-bytes" in reply["error"]["message"], reply
+    for pid in workers:
+        resident, peak = before[pid]
+        assert status_bytes(pid, "VmHWM") <= max(peak, resident + WORKER_GROWTH), "the worker built the text"
+    # Near the limit the bound is counted id by id: a step that fits is served, text and all.
+    fits = array("I", [token]) * 1000 + array("I", [64]) * 600_000
+    reply = conn.call("detokenize_stream", **_stream_fields(fits, columnar), timeout=60)
+    assert reply["ok"], reply
+    text = reply["columns"]["text"] if columnar else reply["seqs"][0]["text"].encode()
+    assert len(text) == 1000 * length + 600_000
+
+
 def _send(conn: Conn, body: bytes) -> None:
     conn.send_raw(b"", body)
 
@@ -113,26 +154,27 @@ def test_a_frame_of_many_times_the_limit_is_answered_and_the_broker_stays_small(
     assert status_bytes(broker.proc.pid, "VmHWM") < before + frames * len(body)
 
 
-def _small_answered_while(conn: Conn, slow: dict) -> tuple[int, dict]:
-    """Send `slow`, then tiny tokenize requests one after another (each awaits its reply) until the
-    slow reply comes or 200 went: how many were answered before it, and its reply."""
-    conn.send({"id": "slow", **slow})
-    answered, reply = 0, None
-    for i in range(200):
+def _small_answered_while(conn: Conn, slow: dict, copies: int = 1, most: int = 200) -> tuple[int, dict]:
+    """Send `copies` of `slow`, then tiny tokenize requests one after another (each awaits its reply)
+    until every slow reply came or `most` went: how many were answered before, and the last slow reply."""
+    for k in range(copies):
+        conn.send({**slow, "id": f"slow{k}"})
+    answered, reply, pending = 0, None, copies
+    for i in range(most):
         conn.send({"id": i, "op": "tokenize", "text": f"small request {i}"})
         while True:
             got = conn.recv(timeout=60)
-            if got["id"] == "slow":
-                reply = got
+            if str(got["id"]).startswith("slow"):
+                reply, pending = got, pending - 1
                 continue
             assert got["id"] == i and got["ok"], got
             break
-        if reply is not None:
+        if not pending:
             break
         answered += 1
-    while reply is None:
-        reply = conn.recv(timeout=60)
-    assert reply["id"] == "slow"
+    while pending:
+        reply, pending = conn.recv(timeout=60), pending - 1
+        assert str(reply["id"]).startswith("slow")
     return answered, reply
 
 
@@ -154,3 +196,56 @@ def test_small_requests_are_served_while_a_long_text_encodes(small_frames):
     answered, long = _small_answered_while(conn, {"op": "tokenize", "text": " ".join(words), "tokens_format": "u32"})
     assert long["ok"] and long["count"] >= 100_000, long.get("error")
     assert answered >= 10, answered  # inline (and with the worker's bytes full at the broker), none was
+    # The list form of the same ids, packed in chunks on the lane, is the same reply.
+    _, listed = _small_answered_while(conn, {"op": "tokenize", "text": " ".join(words)})
+    assert listed["ok"] and array("I", listed["tokens"]).tobytes() == long["tokens"], listed.get("error")
+
+
+def test_small_requests_keep_being_answered_while_30_mb_frames_are_read_and_encoded(one_worker):
+    """The frames are taken without a copy, parsed and encoded on the encode lane in steps that each
+    hold the GIL for about a millisecond, and answered from the engine's packed ids: small requests
+    on the same worker keep being answered meanwhile. Before, each frame held the round loop (copy,
+    parse) and then the GIL (6,000,000 ids made Python ints, then packed) for about a second."""
+    _, conn = one_worker
+    text = "word " * 6_000_000
+    answered, big = _small_answered_while(conn, {"op": "tokenize", "text": text, "tokens_format": "u32"}, copies=4, most=5000)
+    assert big["ok"] and big["count"] >= 6_000_000, big.get("error")
+    print("small requests answered during four 30 MB frames:", answered)
+    assert answered >= 100, answered
+
+
+BURN = r"""{%- if case == 'burn' -%}{%- for i in range(100000) -%}{%- for j in range(100000) -%}{%- endfor -%}{%- endfor -%}{%- endif -%}
+{%- for m in messages %}<{{ m.role }}>{{ m.content[:8] }}{% endfor -%}"""
+
+
+def test_a_render_past_its_deadline_is_given_up_and_the_render_lane_goes_on(tmp_path):
+    """A render that would use its whole 10 s budget, sent with a 1.5 s deadline: the lane's watchdog
+    answers it (timeout) once it runs a second past its deadline, kills its render child and takes
+    the next chat on a fresh thread and child (before, the next chat waited out the 10 s); the
+    heartbeat says the render lane gave up once and has no thread left inside a call."""
+    template = tmp_path / "burn.jinja"
+    template.write_text(BURN, encoding="utf-8")
+    port = free_port()
+    broker = start_broker("--chat-template", str(template), "--metrics-port", str(port), workers=1)
+    conn = Conn(broker.endpoint)
+    try:
+        (worker,) = broker.worker_pids()
+        chat = {"messages": [{"role": "user", "content": "hello"}]}
+        assert conn.call("chat", **chat)["ok"]
+        (child,) = children(worker)  # the render child, started by that render
+        slow = conn.call("chat", **chat, chat_template_kwargs={"case": "burn"}, deadline_ms=1500, timeout=30)
+        assert error_code(slow) == "timeout", slow
+        assert conn.call("chat", **chat, timeout=30)["ok"]
+        assert child not in children(worker), "the overdue render's child was left to run out its budget"
+        url = f"http://127.0.0.1:{port}/metrics"
+
+        def render_lane() -> dict[str, float]:
+            return {k[0]: v for k, v in scrape(url).items() if dict(k[1]).get("lane") == "render"}
+
+        # The thread given up on comes back once its child is killed: no thread is left inside a call.
+        wait_until(lambda: render_lane().get("tokenbroker_worker_lane_replaced") == 1
+                   and render_lane().get("tokenbroker_worker_lane_wedged") == 0, what="the heartbeat's lane report")
+        assert broker.worker_pids() == [worker]
+    finally:
+        conn.close()
+        broker.stop()

@@ -136,3 +136,69 @@ def test_a_long_tokenize_holds_one_lane_of_its_worker_and_small_jobs_keep_flowin
     (holder,) = [wid for wid, jobs in first.items()][:1]
     d.finish(holder, first[holder][0].job_id, served=True)
     assert [(wid, [j.job_id for j in jobs]) for wid, jobs in d.assign(0.3)] == [(holder, [longs[2].job_id])]
+
+
+@pytest.mark.parametrize("order", ["id-first", "id-last"])
+def test_a_large_text_is_read_in_steps_as_parse_request_reads_it_whole(order):
+    from tokenbroker.common.errors import ProtocolError
+    from tokenbroker.common.protocol import parse_request
+    from tokenbroker.workers.ops import read_large, text_span
+
+    text = "日本語 and ascii, ünïcödé " * 60_000  # multi-byte characters across every 1 MiB step
+    fields = [("id", "big"), ("op", "tokenize"), ("text", text), ("tokens_format", "u32")]
+    payload = msgpack.packb(dict(fields if order == "id-first" else fields[::-1]))
+    span = text_span(memoryview(payload))
+    assert span is not None
+    got, want = read_large(memoryview(payload), span), parse_request(payload)
+    assert (got.payload, got.raw_id, got.op, got.tokens_format) == (want.payload, want.raw_id, want.op, want.tokens_format)
+    broken = bytearray(payload)
+    broken[span[1] + 3 * 2**19 + 1] = 0xFF  # not UTF-8, deep inside the text
+    with pytest.raises(ProtocolError) as e:
+        read_large(memoryview(bytes(broken)), span)
+    assert e.value.code == "bad_request" and "UTF-8" in e.value.message
+    assert text_span(msgpack.packb({"op": "tokenize", "text": "short"})) is None
+    assert text_span(msgpack.packb({"op": "chat", "messages": [{"content": text}]})) is None
+
+
+def test_a_lane_gives_up_on_a_call_past_its_deadline_and_runs_the_next_on_a_fresh_thread():
+    """A call that cannot be stopped (an encode inside the tokenizer, here a wait on an event) and
+    runs past its deadline: `watch` answers its job with Overdue, counts the thread wedged, and the
+    job queued behind it runs on a new thread; once the call returns, its thread ends and its
+    result is dropped (the job was answered already)."""
+    import threading
+    import time
+
+    from tokenbroker.workers.background import Lane, Overdue
+
+    lane = Lane("test", grace_s=0.0)
+    release, started = threading.Event(), threading.Event()
+
+    def stuck() -> str:
+        started.set()
+        release.wait(30)
+        return "late"
+
+    try:
+        lane.submit("stuck", stuck, deadline=time.monotonic() + 5)
+        lane.submit("next", lambda: "served")
+        assert started.wait(10)
+        assert not lane.watch(time.monotonic()) and lane.watch(time.monotonic() + 6) and not lane.watch(time.monotonic() + 6)
+        done = {}
+        deadline = time.monotonic() + 10
+        while len(done) < 2 and time.monotonic() < deadline:
+            done.update((d.key, d) for d in lane.finished())
+            time.sleep(0.01)
+        assert isinstance(done["stuck"].error, Overdue) and done["next"].result == "served"
+        assert lane.report() == {"pending": 0, "wedged": 1, "replaced": 1}
+        release.set()
+        while lane.report()["wedged"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lane.report()["wedged"] == 0 and lane.finished() == []  # its late result is dropped
+        lane.submit("expired", lambda: "never run", deadline=time.monotonic() - 1)
+        while not lane._done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (expired,) = lane.finished()
+        assert isinstance(expired.error, Overdue)  # not started: nobody waits for it
+    finally:
+        release.set()
+        lane.close()

@@ -29,7 +29,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.workers.fingerprint import model_fingerprint
 from tokenbroker.workers.stream import StreamDecoder, unfinished_start
-from tokenbroker.workers.stream_state import _VERSION_BYTE, MAC_BYTES, Options, SeqState, _mac, pack_state, unpack_state
+from tokenbroker.workers.stream.state import _VERSION_BYTE, MAC_BYTES, Options, SeqState, _mac, pack_state, unpack_state
 from tokenbroker.workers.tokenizers import load_tokenizer
 
 EXAMPLES = int(os.environ.get("TOKENBROKER_STREAM_EXAMPLES", "40"))
@@ -543,7 +543,7 @@ def test_a_step_that_changes_nothing_returns_the_same_state(name: str) -> None:
 def test_the_anchor_is_only_used_for_decoders_that_look_at_position_alone() -> None:
     from tokenizers import decoders
 
-    from tokenbroker.workers.stream_vocab import anchor_token
+    from tokenbroker.workers.stream.vocab import anchor_token
 
     tok = Tokenizer.from_file(str(BERT_DIR / "tokenizer.json"))
     assert anchor_token(tok, tok.get_vocab_size(), frozenset()) is not None
@@ -553,7 +553,7 @@ def test_the_anchor_is_only_used_for_decoders_that_look_at_position_alone() -> N
 
 
 def test_large_options_are_served_but_never_kept_in_the_decoders_caches() -> None:
-    from tokenbroker.workers import stream_state
+    from tokenbroker.workers.stream import state as stream_state
 
     d, tok = decoder("cl100k"), tokenizer("cl100k")
     ids = tok.encode("plain text, nothing held")

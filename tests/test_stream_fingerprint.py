@@ -9,7 +9,7 @@ from pathlib import Path
 
 from helpers import BERT_DIR, QWEN_TIKTOKEN
 
-from tokenbroker.workers.chat_templates import ChatTemplates
+from tokenbroker.workers.chat import ChatTemplates
 from tokenbroker.workers.fingerprint import model_fingerprint
 from tokenbroker.workers.tokenizers import load_tokenizer
 

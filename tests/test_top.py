@@ -46,7 +46,7 @@ def test_first_frame_spans_the_broker_life_and_later_frames_the_window_between_s
     assert l0[2] == "1.0" and l0[3] == "0.4"  # lookups/s and evictions/s over the 10 s between scrapes
     assert l0[4:6] == ["80", "B/s"]  # (900 - 100) reused bytes / 10 s
     assert rows(two, "l1")[1] == "0.500"
-    assert rows(two, "w1")[-2:] == ["2.0", "MiB"]
+    assert rows(two, "w1")[-3:] == ["2.0", "MiB", "-"]  # RSS; no PSS reported
 
 
 def test_requests_per_second_and_latency_quantiles_by_op():
@@ -81,10 +81,11 @@ def test_counter_that_restarted_counts_from_zero_like_prometheus():
 
 def test_workers_rows_show_in_flight_capacity_and_memory():
     m = PoolMetrics()
-    m.publish(snapshot(worker("w1", report("a", rss=3 << 20), state="busy", in_flight=3), worker("w2", report("b", rss=1 << 20))))
+    m.publish(snapshot(worker("w1", {**report("a", rss=3 << 20), "pss": 2 << 20}, state="busy", in_flight=3),
+                       worker("w2", report("b", rss=1 << 20))))
     (frame,) = frames([(m.started + 1, exposition(m))])
-    assert rows(frame, "w1")[1:] == ["3", "4", "3.0", "MiB"]
-    assert rows(frame, "w2")[1:] == ["0", "4", "1.0", "MiB"]
+    assert rows(frame, "w1")[1:] == ["3", "4", "3.0", "MiB", "2.0", "MiB"]  # RSS, then PSS
+    assert rows(frame, "w2")[1:] == ["0", "4", "1.0", "MiB", "-"]  # no PSS in its heartbeat
     assert rows(frame, "broker")[-1] in ("MiB", "GiB")  # this test process's own memory, whatever the suite has loaded
     assert "busy 1" in frame and "idle 1" in frame
 

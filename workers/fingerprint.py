@@ -21,7 +21,7 @@ import hashlib
 import json
 from typing import Any, Iterable
 
-from .chat_templates import ChatTemplates
+from .chat import ChatTemplates
 from .tokenizers import Tokenizer
 
 FINGERPRINT_VERSION = b"tokenbroker model fingerprint v1"

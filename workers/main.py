@@ -15,6 +15,8 @@ Jobs that can run long go to lanes (background.py): a chat's render and the enco
 text run on their own threads, waiting on the render child or in the tokenizer without the GIL,
 and the poll watches their pipes: the rounds go on meanwhile, and a finished job is answered in
 the next turn. The broker sends a worker small jobs while it holds a long text (broker/dispatch.py).
+Each turn the lanes' watchdogs run: a lane job a second past its deadline is answered and the lane
+goes on with a fresh thread (its render child killed); heartbeats carry each lane's `wedged` count.
 
 Models load in the background when the broker says B_LOAD (loader.py); the poll watches the
 loader's pipe too, so a finished load is installed and said (W_LOADED) between two rounds. READY
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import os
 
-from tokenbroker.common.process import EXIT_BOOT_ERROR, PARENT_PID_ENV, resident_bytes, use_one_thread
+from tokenbroker.common.process import EXIT_BOOT_ERROR, PARENT_PID_ENV, proportional_bytes, resident_bytes, use_one_thread
 
 use_one_thread()  # before tokenizers is first imported (common/process.py)
 
@@ -72,6 +74,8 @@ RECONNECT_INIT_S = 0.1
 RECONNECT_MAX_S = 5.0
 MAX_ROUND_JOBS = 256  # jobs run in one round before their results go out
 WATCHDOG_GRACE_S = 2.0  # a round may run this long past its jobs' budgets before heartbeats stop
+LARGE_FRAME = 1 << 16  # frames longer than this are taken as views of ZeroMQ's buffer, never copied
+PSS_EVERY_S = 5.0  # PSS is read at most this often (a page-table walk), RSS with every heartbeat
 LANE_DRAIN_S = 11.0  # leaving, a worker waits this long for its renders and encodes (a render's budget is 10 s)
 
 
@@ -114,6 +118,8 @@ class Worker:
         self.stats: dict = registry.cache_stats()
         self.backends: dict[str, str] = registry.backends()  # model -> engine, as the switch to fastokens comes later
         self.next_beat = 0.0
+        self.pss: int | None = None  # proportional set size as last read (PSS_EVERY_S)
+        self.pss_at = 0.0
         self.round_until: float | None = None  # while a round computes: when it is overdue
         self.stuck_logged = False
         parent = os.environ.get(PARENT_PID_ENV, "")
@@ -141,13 +147,18 @@ class Worker:
         return build_ready(self.config, self.name, self.incarnation, self.registry).to_wire()
 
     def _heartbeat(self) -> list[bytes]:
+        now = time.monotonic()
+        if now >= self.pss_at:
+            self.pss, self.pss_at = proportional_bytes(), now + PSS_EVERY_S
         body = {
             "incarnation": self.incarnation,
             "pid": os.getpid(),
             "rss": resident_bytes(),
+            "pss": self.pss,  # None where /proc/self/smaps_rollup is not there
             "served": self.served,
             "caches": self.stats,
             "backends": self.backends,
+            "lanes": {lane.name: lane.report() for lane in self.lanes},  # "wedged": threads given up on, still in a call
         }
         return [W_HEARTBEAT, pack(body)]
 
@@ -191,8 +202,10 @@ class Worker:
                 if self.loader.fd in events:
                     for loaded in self.installer.finished():
                         self._send([W_LOADED, loaded.to_wire()])
-                finished = [lane for lane in self.lanes if lane.fd in events]
                 now = time.monotonic()
+                for lane in self.lanes:
+                    lane.watch(now)  # a job past its deadline is answered there; the lane goes on
+                finished = [lane for lane in self.lanes if lane.fd in events]
                 if now >= self.next_beat:
                     if self.orphaned():
                         log.warning("the broker that started this worker (pid %s) is gone: leaving", self.parent_pid)
@@ -233,16 +246,22 @@ class Worker:
         now = time.monotonic()
         while len(jobs) < MAX_ROUND_JOBS:
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                msg = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            kind = frames[0]
+            # A large frame stays ZeroMQ's (a view): copying 30 MB would hold the GIL, and so every
+            # other job, for tens of milliseconds; the encode lane reads it (Ops.run).
+            kind = msg[0].bytes
             if kind == B_JOBS:
+                body = [f.buffer if len(f) > LARGE_FRAME else f.bytes for f in msg[1:]]
                 try:
-                    jobs.extend(PendingJob(job_id, budget, now, payload) for job_id, budget, payload in unpack_jobs(frames[1:]))
+                    jobs.extend(PendingJob(job_id, budget, now, payload if len(payload) > LARGE_FRAME else bytes(payload))
+                                for job_id, budget, payload in unpack_jobs(body))
                 except ValueError as e:
                     log.warning("ignoring a malformed job batch: %s", e)
-            elif kind == B_HEARTBEAT:
+                continue
+            frames = [f.bytes for f in msg]
+            if kind == B_HEARTBEAT:
                 drained |= after_bye  # the broker sends in order: every job it sent before is here
             elif kind == B_RESET and not after_bye:
                 log.warning("the broker had forgotten this worker (it was silent): saying READY again")

@@ -6,6 +6,7 @@ where it reads them (it may be reached by a future broker version), and every ch
 
 from __future__ import annotations
 
+import codecs
 import logging
 import sys
 import time
@@ -14,8 +15,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
+import msgpack
+
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import (
+    NIL,
     SKIPPED,
     Request,
     error_reply,
@@ -63,10 +67,14 @@ class PendingJob:
     job_id: int
     budget_ms: int
     received: float  # time.monotonic() when it arrived
-    payload: bytes
+    payload: bytes | memoryview  # a view of ZeroMQ's frame when large (main.LARGE_FRAME): never copied on the round loop
+
+    def deadline(self) -> float | None:
+        """When nobody waits for its reply any more (time.monotonic()); None without a budget."""
+        return self.received + self.budget_ms / 1000 if self.budget_ms else None
 
 
-OFFLOAD_BYTES = 64 * 1024  # a plain tokenize payload longer than this encodes on the encode lane (~10 ms of work)
+OFFLOAD_BYTES = 64 * 1024  # a tokenize payload longer than this is read, encoded and answered on the encode lane (~10 ms of work)
 
 
 @dataclass(slots=True)
@@ -87,6 +95,7 @@ class Ops:
         self.worker_name = worker_name
         self.limits = registry.limits
         self.deadline = float("inf")  # of the job being served (time.monotonic()); batches stop past it
+        self.payload_bytes = 0  # of the job being served: what detokenize_stream's free reply bound reads
         caches = registry.cache_config
         self.tokenin = Tokenin(CHAIN_MEMO_BYTES if caches.l0_enabled or caches.l1_enabled else 0)
         # Set by the worker: chats render, and long texts encode, off its round loop (workers/background.py).
@@ -99,7 +108,8 @@ class Ops:
         its encode: `finish_deferred` answers them.
 
         Plain tokenize jobs of one model with its caches off go through one batch encode (which
-        releases the GIL); the rest are served one by one. Replies equal what `handle` gives.
+        releases the GIL); the rest are served one by one, by `_serve`, which the batch encode's
+        replies equal. `run` is the one entry point: the worker calls it, and so do the tests.
         """
         out: list[tuple[int, str, bytes] | None] = [None] * len(jobs)
         groups: dict[tuple[int, bool], tuple[Any, list[tuple[int, Request]]]] = {}
@@ -107,6 +117,13 @@ class Ops:
             if job.budget_ms and (time.monotonic() - job.received) * 1000 > job.budget_ms:
                 out[i] = (job.job_id, SKIPPED, b"")  # the broker answers `timeout` (now or already)
                 continue
+            if self.encodes is not None and len(job.payload) > OFFLOAD_BYTES:
+                span = text_span(job.payload)  # a long `text` (a tokenize): not even parsed here
+                if span is not None:
+                    self.encodes.submit((job, self._finish_large), partial(self._large, job, span), job.deadline())
+                    continue
+            if type(job.payload) is not bytes:  # a large frame the worker took without copying
+                job.payload = bytes(job.payload)
             try:
                 request = parse_request(job.payload)
             except ProtocolError as e:
@@ -117,14 +134,12 @@ class Ops:
                 continue
             model = self._plain_tokenize_model(request)
             if model is None:
-                reply, outcome = self.serve(request, deadline=job.received + job.budget_ms / 1000 if job.budget_ms else None)
+                reply, outcome = self._serve(request, len(job.payload),
+                                             deadline=job.deadline())
                 out[i] = (job.job_id, outcome, reply)
                 continue
             add_special = request.payload.get("add_special_tokens") is not False
-            if self.encodes is not None and len(job.payload) > OFFLOAD_BYTES:
-                self._defer_encode(job, request, model, add_special)
-            else:
-                groups.setdefault((id(model), add_special), (model, []))[1].append((i, request))
+            groups.setdefault((id(model), add_special), (model, []))[1].append((i, request))
         for (_, add_special), (model, members) in groups.items():
             self._encode_group(model, jobs, members, add_special, out)
         return [r for r in out if r is not None]  # deferred jobs are answered by finish_deferred
@@ -158,7 +173,7 @@ class Ops:
                 results = (tok.encode_u32 if u32 else tok.encode_many)(texts, add_special_tokens=add_special)
             except Exception:  # one text the batch call refuses: serve each alone, so only it fails
                 for i, request in part:
-                    reply, outcome = self.serve(request)
+                    reply, outcome = self._serve(request, len(jobs[i].payload))
                     out[i] = (jobs[i].job_id, outcome, reply)
                 continue
             for (i, request), tokens in zip(part, results):
@@ -188,20 +203,13 @@ class Ops:
         if done & 255 == 255 and time.monotonic() > self.deadline:
             raise ProtocolError("timeout", f"the deadline passed after {done + 1} items of the batch")
 
-    def handle(self, data: bytes) -> tuple[bytes, str]:
-        """Serve one client payload: (the reply bytes, "ok" or the error code)."""
-        try:
-            request = parse_request(data)
-        except ProtocolError as e:
-            return error_reply(raw_id(data), e.code, e.message), e.code
-        return self.serve(request)
-
-    def serve(self, request: Request, *, deadline: float | None = None,
-              fields: Callable[[], dict] | None = None) -> tuple[bytes, str]:
-        """Serve one parsed request: (the reply bytes, outcome). A batch inside it stops once
-        `deadline` (time.monotonic()) has passed. `fields` gives the op's reply fields instead of
-        its op_ method (a chat whose render finished in the background)."""
+    def _serve(self, request: Request, payload_bytes: int, *, deadline: float | None = None,
+               fields: Callable[[], dict] | None = None) -> tuple[bytes, str]:
+        """Serve one parsed request of `payload_bytes`: (the reply bytes, outcome). A batch inside it
+        stops once `deadline` (time.monotonic()) has passed. `fields` gives the op's reply fields
+        instead of its op_ method (a chat whose render finished in the background)."""
         self.deadline = float("inf") if deadline is None else deadline
+        self.payload_bytes = payload_bytes
         request_id = request.raw_id
         try:
             method = getattr(self, f"op_{request.op}", None)
@@ -363,49 +371,70 @@ class Ops:
             chat = self._chat_start(request.payload, request.model)
         except ProtocolError as e:
             return job.job_id, e.code, error_reply(request.raw_id, e.code, e.message)
-        except Exception:  # noqa: BLE001 - a bug: serve() says so, as it does inline
-            reply, outcome = self.serve(request)
+        except Exception:  # noqa: BLE001 - a bug: _serve() says so, as it does inline
+            reply, outcome = self._serve(request, len(job.payload))
             return job.job_id, outcome, reply
 
-        def finish(done: Done) -> tuple[bytes, str]:
+        def finish(_: PendingJob, done: Done) -> tuple[bytes, str]:
             def fields() -> dict:
                 if done.error is not None:
                     raise done.error
                 return self._chat_finish(chat, done.result, request.tokens_format)
 
-            return self.serve(request, fields=fields)
+            return self._serve(request, len(job.payload), fields=fields)
 
-        self.renders.submit((job, finish), chat.render)
+        self.renders.submit((job, finish), chat.render, job.deadline(), chat.model.renderer().sandbox.cancel)
         return None
 
-    def _defer_encode(self, job: PendingJob, request: Request, model: Any, add_special: bool) -> None:
-        """Encode a long plain text on the encode lane, and build its reply there too: the batch encode
-        releases the GIL, and the rest (ids to Python, packing) shares it with the round loop in
-        5 ms slices instead of holding the loop for the whole of it."""
-        fmt, text, rid = request.tokens_format, request.payload["text"], request.raw_id
-
-        def encode() -> tuple[bytes, str] | None:
-            try:
-                ids = model.tokenizer.encode_many([text], add_special_tokens=add_special)[0]
-            except Exception:  # noqa: BLE001 - a text the batch call refuses: served inline, which names the error
-                return None
-            try:
-                fields = self._encoded_fields(ids, fmt)
-            except ProtocolError as e:
-                return error_reply(rid, e.code, e.message), e.code
-            outcome, reply = self._capped(rid, ok_reply(rid, {**fields, "worker": self.worker_name}), "ok")
-            return reply, outcome
-
-        def finish(done: Done) -> tuple[bytes, str]:
-            return self.serve(request) if done.result is None else done.result
-
-        self.encodes.submit((job, finish), encode)
-
-    def _encoded_fields(self, ids: list[int], fmt: str) -> dict:
-        """The reply fields of a plain tokenize encoded without the caches (charged to the reply budget)."""
-        ReplyBudget(self.limits.max_reply_bytes).charge_ids(ids, fmt)
+    def _large(self, job: PendingJob, span: tuple[int, int, int]) -> tuple[bytes, str] | Request:
+        """On the encode lane: read a payload over OFFLOAD_BYTES with a long `text` and, when it is a plain tokenize of a
+        cache-less model, encode it and build its reply; else the parsed request, which the round
+        loop serves (`_finish_large`). The round loop never holds the GIL for such a payload: its
+        text is decoded in 1 MiB steps (`read_large`), the ids stay a packed buffer (no Python int
+        per id), and a list reply is packed in chunks, so the round thread gets the GIL back every
+        few milliseconds (the switch interval) while a 30 MB frame is read, encoded and answered."""
+        try:
+            request = read_large(job.payload, span)
+        except ProtocolError as e:
+            return error_reply(raw_id(without_text(job.payload, span)), e.code, e.message), e.code
+        model = self._plain_tokenize_model(request)
+        if model is None:
+            return request
+        rid, fmt = request.raw_id, request.tokens_format
+        add_special = request.payload.get("add_special_tokens") is not False
+        try:
+            (packed,) = model.tokenizer.encode_u32([request.payload["text"]], add_special_tokens=add_special)
+        except Exception:  # noqa: BLE001 - a text the batch call refuses: served inline, which names the error
+            return request
+        count = len(packed) // 4
+        budget = ReplyBudget(self.limits.max_reply_bytes)
+        try:
+            if fmt == "u32":
+                budget.charge_count(count, None, fmt)
+                tokens = [_bin_header(len(packed)), packed]
+            else:
+                tokens = _list_from_u32(packed, budget)
+        except ProtocolError as e:
+            return error_reply(rid, e.code, e.message), e.code
         off = CacheTally(self.registry.l0_enabled).to_wire()
-        return {"tokens": _tokens_out(ids, fmt), "count": len(ids), "cache": off}
+        reply = _reply_with_tokens(rid, tokens, {"count": count, "cache": off, "worker": self.worker_name})
+        outcome, reply = self._capped(rid, reply, "ok")
+        return reply, outcome
+
+    def _finish_large(self, job: PendingJob, done: Done) -> tuple[bytes, str] | None:
+        """On the round thread: a large payload's reply from the lane, or its request served here
+        (a chat starts its render; None then)."""
+        if done.error is not None:  # a bug: say so, keep serving
+            log.error("internal error reading a large payload", exc_info=done.error)
+            e = done.error
+            return error_reply(NIL, "internal", f"internal error: {type(e).__name__}: {e}"), "internal"
+        if not isinstance(done.result, Request):
+            return done.result
+        request = done.result
+        if request.op == "chat" and self.renders is not None:
+            result = self._defer_chat(job, request)
+            return None if result is None else (result[2], result[1])
+        return self._serve(request, len(job.payload), deadline=job.deadline())
 
     def finish_deferred(self, lane: Lane) -> list[tuple[int, str, bytes]]:
         """The results of the jobs whose call on `lane` finished: (job id, outcome, reply) each."""
@@ -415,8 +444,9 @@ class Ops:
             if job.budget_ms and (time.monotonic() - job.received) * 1000 > job.budget_ms:
                 out.append((job.job_id, SKIPPED, b""))  # the broker has answered `timeout`
                 continue
-            reply, outcome = finish(done)
-            out.append((job.job_id, outcome, reply))
+            answer = finish(job, done)
+            if answer is not None:  # None: it went on to another lane (a large chat's render)
+                out.append((job.job_id, answer[1], answer[0]))
         return out
 
     def op_count(self, p: dict, model_name: str | None, fmt: str) -> dict:
@@ -437,20 +467,107 @@ class Ops:
         return reply
 
     def op_detokenize_stream(self, p: dict, model_name: str | None, fmt: str) -> dict:
-        """Many sequences' next ids -> text deltas and states (workers/stream.py); touches no cache."""
+        """Many sequences' next ids -> text deltas and states (workers/stream/); touches no cache.
+        The reply is charged to --max-reply-bytes before any text is built, in both forms."""
         columns = p.get("columns")
         if columns is not None:  # the columnar form (1.2): a few byte strings instead of a map per sequence
             if p.get("seqs") is not None:
                 raise ProtocolError("bad_request", "give 'seqs' or 'columns', not both")
             model = self.registry.resolve(model_name)
-            return model.stream_decoder().run_columns(columns, self.limits.max_batch_items)
+            return model.stream_decoder().run_columns(columns, self.limits.max_batch_items, ReplyBudget(self.limits.max_reply_bytes))
         seqs = req(p, "seqs", list)
         self._batch_items(seqs, "seqs")
         model = self.registry.resolve(model_name)
-        return {"seqs": model.stream_decoder().run(seqs)}
+        return {"seqs": model.stream_decoder().run(seqs, ReplyBudget(self.limits.max_reply_bytes), self.payload_bytes)}
 
     def op_models(self, p: dict, model_name: str | None, fmt: str) -> dict:
         return {"models": self.registry.describe()}
+
+
+_STEP = 1 << 20  # bytes or ids handled per GIL-holding call on a lane (about a millisecond each)
+
+
+def read_large(payload: bytes | memoryview, span: tuple[int, int, int]) -> Request:
+    """A payload with a long top-level `text` (its `text_span`) as parse_request reads it, without one
+    long call: the rest of the map is parsed alone (small) and the text decoded in 1 MiB steps."""
+    _, start, end = span
+    request = parse_request(without_text(payload, span))
+    if request.payload.get("text") != "":
+        return request  # a later `text` key wins, as in parse_request
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        parts = [decoder.decode(payload[at:min(at + _STEP, end)]) for at in range(start, end, _STEP)]
+        parts.append(decoder.decode(b"", final=True))
+    except UnicodeDecodeError as e:
+        raise ProtocolError("bad_request", f"payload holds a str that is not valid UTF-8: {e.reason}") from e
+    request.payload["text"] = "".join(parts)
+    return request
+
+
+def without_text(payload: bytes | memoryview, span: tuple[int, int, int]) -> bytes:
+    """The payload with its long `text` replaced by "" (the rest of the map, as bytes)."""
+    return bytes(payload[:span[0]]) + b"\xa0" + bytes(payload[span[2]:])
+
+
+def text_span(payload: bytes | memoryview) -> tuple[int, int, int] | None:
+    """(where the `text` value starts, where its UTF-8 starts, where it ends) when the payload is a map
+    whose entries before `text` lie in its first 64 KiB and `text` is a str of 64 KiB or more; else
+    None. Reads those entries only (a few microseconds), so the round loop can afford it."""
+    head = bytes(payload[:1 << 16])
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(head) or 1)
+    unpacker.feed(head)
+    try:
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() != "text":
+                unpacker.skip()
+                continue
+            at = unpacker.tell()
+            kind = head[at]
+            if kind == 0xDA:
+                size, start = int.from_bytes(head[at + 1:at + 3], "big"), at + 3
+            elif kind == 0xDB:
+                size, start = int.from_bytes(head[at + 1:at + 5], "big"), at + 5
+            else:
+                return None
+            if size < 1 << 16 or start + size > len(payload):
+                return None
+            return at, start, start + size
+    except Exception:  # noqa: BLE001 - unreadable within its head: parse_request says why
+        return None
+    return None
+
+
+def _bin_header(size: int) -> bytes:
+    return b"\xc6" + size.to_bytes(4, "big")
+
+
+def _list_from_u32(packed: bytes, budget: ReplyBudget) -> list[bytes]:
+    """A u32 buffer's ids as a MessagePack array, packed a chunk of 65,535 ids at a time (each chunk
+    a short call; an array of exactly that many packs with a 3-byte header) and charged as it grows."""
+    count = len(packed) // 4
+    parts = [b"\xdd" + count.to_bytes(4, "big")]
+    step = 65535
+    for at in range(0, count, step):
+        chunk = array("I")
+        chunk.frombytes(packed[4 * at:4 * min(at + step, count)])
+        if not _LITTLE:  # pragma: no cover
+            chunk.byteswap()
+        body = msgpack.packb(chunk.tolist())
+        body = body[3:] if len(chunk) >= 16 else body[1:]  # without the chunk's own array header
+        budget.charge(len(body), lambda n=len(body): n, "its token ids")
+        parts.append(body)
+    return parts
+
+
+def _reply_with_tokens(rid: bytes, tokens: list[bytes], fields: dict) -> bytes:
+    """ok_reply(rid, {"tokens": ..., **fields}) with `tokens` already packed (in parts): one join."""
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [packer.pack_map_header(len(fields) + 3), packer.pack("id"), rid, packer.pack("ok"), packer.pack(True),
+             packer.pack("tokens"), *tokens]
+    for key, value in fields.items():
+        parts.append(packer.pack(key))
+        parts.append(packer.pack(value))
+    return b"".join(parts)
 
 
 def _add_served(cols: dict[str, list], served: Served, tokens: Any, fmt: str) -> None:

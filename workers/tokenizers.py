@@ -133,7 +133,7 @@ class HuggingFaceTokenizer(_Wrapped):
         if fast is not None:  # releases the GIL too
             return fast.encode(text, add_special_tokens)
         # The batch call releases the GIL while it runs (`encode` holds it throughout): a long input
-        # must not starve the worker's I/O thread, whose heartbeats keep the worker alive.
+        # must not starve the worker's other threads (its heartbeat thread keeps it alive; its lanes).
         return self.raw.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_many(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:

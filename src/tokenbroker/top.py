@@ -150,7 +150,9 @@ def render(span: Span, url: str) -> str:
         f"queue {new.value('tokenbroker_queue_depth'):.0f}  held {new.value('tokenbroker_requests_held'):.0f}  "
         + "workers " + " ".join(f"{_label(k, 'state')} {v:.0f}" for k, v in sorted(new.series("tokenbroker_workers").items(), key=lambda kv: _label(kv[0], "state")))
         + f"  restarts {new.value('tokenbroker_worker_restarts_total'):.0f}"
-        + f"  pool memory {_bytes(new.value('smg_allocator_allocated_bytes'))}",
+        + f"  pool memory {_bytes(new.value('smg_allocator_allocated_bytes'))} rss"
+        + (f", {_bytes(new.value('tokenbroker_pool_proportional_memory_bytes'))} pss"
+           if new.series("tokenbroker_pool_proportional_memory_bytes") else ""),
         "",
         f"{'op':<12}{'req/s':>10}{'errors/s':>10}" + "".join(f"{'p' + format(q * 100, 'g'):>10}" for q in QUANTILES),
     ]
@@ -162,15 +164,17 @@ def render(span: Span, url: str) -> str:
         lines.append(f"{op:<12}{total:>10.1f}{errors:>10.1f}{qs}")
     if not ops:
         lines.append("(no requests yet)")
-    lines += ["", f"{'process':<28}{'in-flight':>10}{'capacity':>10}{'memory':>12}"]
+    lines += ["", f"{'process':<28}{'in-flight':>10}{'capacity':>10}{'memory':>12}{'pss':>12}"]
     in_flight = {_label(k, "worker"): v for k, v in new.series("tokenbroker_worker_in_flight").items()}
     capacity = {_label(k, "worker"): v for k, v in new.series("tokenbroker_worker_capacity").items()}
     memory = {_label(k, "process"): v for k, v in new.series("tokenbroker_process_resident_memory_bytes").items()}
-    for name in ["broker", *sorted(set(in_flight) | (set(memory) - {"broker"}))]:
+    pss = {_label(k, "process"): v for k, v in new.series("tokenbroker_process_proportional_memory_bytes").items()}
+    for name in ["broker", *(["template"] if "template" in pss else []), *sorted(set(in_flight) | (set(memory) - {"broker"}))]:
         flight = f"{in_flight[name]:.0f}" if name in in_flight else ""
         cap = f"{capacity[name]:.0f}" if name in capacity else ""
         mem = _bytes(memory[name]) if name in memory else "-"
-        lines.append(f"{name:<28}{flight:>10}{cap:>10}{mem:>12}")
+        shared = _bytes(pss[name]) if name in pss else "-"
+        lines.append(f"{name:<28}{flight:>10}{cap:>10}{mem:>12}{shared:>12}")
     lines += ["", f"{'cache':<8}{'hit ratio':>10}{'lookups/s':>11}{'evictions/s':>13}{'reused/s':>14}{'entries':>10}{'bytes':>12}"]
     layers = sorted({_label(k, "layer") for k in new.series("smg_tokenizer_cache_lookups_total")})
     for layer in layers:

@@ -4,6 +4,10 @@ Caches only ever save work: every result equals the tokenizer's own, id for id (
 "Token ids"). L1 proves that per tokenizer at load (see segment.py) and is bypassed, with the reason
 in `l1_bypass_reason`, where it cannot. Decoding is never cached.
 
+One thread touches the caches: the worker's round thread (Ops, the heartbeat's stats, the switch to
+the fast engine). The lanes (workers/background.py) encode only cache-less models and render, and
+the beat thread sends stats read on the round thread, so L0 and L1 take no lock.
+
 >>> ids, outcome = TokenCache(tok, CacheConfig(l0_enabled=True)).encode("hello")  # doctest: +SKIP
 >>> outcome  # doctest: +SKIP
 CacheOutcome(l0='miss', l1_reused_tokens=0)

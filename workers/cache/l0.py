@@ -9,7 +9,6 @@ the byte budget is never cached: it would evict a quarter of everything for a si
 from __future__ import annotations
 
 import sys
-import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -39,7 +38,6 @@ class L0Cache:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._map: OrderedDict[tuple[str, bool], _Entry] = OrderedDict()
-        self._lock = threading.Lock()
         self._stats = LayerStats()
 
     def get(self, text: str, add_special_tokens: bool) -> list[int] | None:
@@ -57,15 +55,14 @@ class L0Cache:
     def _hit(self, text: str, add_special_tokens: bool) -> array | None:
         """The stored ids of `text`, counted as a hit and made most recent; None, counted as a miss."""
         key = (text, add_special_tokens)
-        with self._lock:
-            entry = self._map.get(key)
-            if entry is None:
-                self._stats.misses += 1
-                return None
-            self._map.move_to_end(key)
-            self._stats.hits += 1
-            self._stats.reused_bytes += entry.utf8_len
-            return entry.ids
+        entry = self._map.get(key)
+        if entry is None:
+            self._stats.misses += 1
+            return None
+        self._map.move_to_end(key)
+        self._stats.hits += 1
+        self._stats.reused_bytes += entry.utf8_len
+        return entry.ids
 
     def put_u32(self, text: str, add_special_tokens: bool, packed: bytes) -> None:
         """Keep little-endian uint32 `packed` ids for `text`: copied into the store as they are."""
@@ -87,19 +84,17 @@ class L0Cache:
         utf8_len = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
         entry = _Entry(stored, utf8_len, charge)
         key = (text, add_special_tokens)
-        with self._lock:
-            old = self._map.pop(key, None)
-            if old is not None:  # another thread stored it meanwhile
-                self._stats.bytes -= old.charge
-            while self._map and (len(self._map) >= self.max_entries or self._stats.bytes + charge > self.max_bytes):
-                _, gone = self._map.popitem(last=False)
-                self._stats.bytes -= gone.charge
-                self._stats.evictions += 1
-            self._map[key] = entry
-            self._stats.bytes += charge
-            self._stats.entries = len(self._map)
+        old = self._map.pop(key, None)
+        if old is not None:  # stored already (a text encoded twice in one batch)
+            self._stats.bytes -= old.charge
+        while self._map and (len(self._map) >= self.max_entries or self._stats.bytes + charge > self.max_bytes):
+            _, gone = self._map.popitem(last=False)
+            self._stats.bytes -= gone.charge
+            self._stats.evictions += 1
+        self._map[key] = entry
+        self._stats.bytes += charge
+        self._stats.entries = len(self._map)
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            self._stats.entries = len(self._map)
-            return self._stats.as_dict()
+        self._stats.entries = len(self._map)
+        return self._stats.as_dict()

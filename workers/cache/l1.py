@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-import threading
 from array import array
 from dataclasses import dataclass
 from itertools import accumulate
@@ -133,7 +132,6 @@ class L1Cache:
         self._seg = segmenter
         self._store = PrefixStore(budget)
         self._input_budget = budget // INPUT_SHARE
-        self._lock = threading.Lock()
         self._stats = LayerStats()
         self.fallbacks = 0  # lookups a piece check refused: tokenized whole instead
 
@@ -145,8 +143,7 @@ class L1Cache:
         parts = self._seg.split(data)
         n = len(parts) >> 1  # boundaries
         if not n:
-            with self._lock:
-                self._count(False, 0)
+            self._count(False, 0)
             return self._tok.encode(text, add_special_tokens=add_special_tokens), 0, None
         ends = list(accumulate(map(len, parts)))[1::2]  # byte offset right after each boundary
         keys, depth, prefix = self._lookup(memoryview(data), ends, add_special_tokens)
@@ -173,10 +170,9 @@ class L1Cache:
         # anything. keys holds the deepest boundaries' keys, every cut's among them: i's is keys[i - n].
         keep = cuts if total <= self._input_budget else self._within_budget(order, marks, ends)
         items = [(keys[cut - n], acc[:marks[cut]], ends[cut] + 4 * marks[cut] + ENTRY_OVERHEAD) for cut in keep]
-        with self._lock:
-            if items:
-                self._store.put_many(items)
-            self._count(depth >= 0, ends[depth] if depth >= 0 else 0)
+        if items:
+            self._store.put_many(items)
+        self._count(depth >= 0, ends[depth] if depth >= 0 else 0)
         self._seg.finish(acc, add_special_tokens)
         return acc.tolist(), reused, acc
 
@@ -197,13 +193,11 @@ class L1Cache:
         n = len(ends)
         lo = max(0, n - PROBE_FIRST)
         keys = _prefix_keys(view, ends[lo:], flag)
-        with self._lock:
-            depth, prefix = self._store.deepest(keys)
+        depth, prefix = self._store.deepest(keys)
         if prefix is not None or not lo:
             return keys, depth + lo if prefix is not None else -1, prefix
         head = _prefix_keys(view, ends[:lo], flag)
-        with self._lock:
-            depth, prefix = self._store.deepest(head)
+        depth, prefix = self._store.deepest(head)
         return head + keys, depth, prefix
 
     def _span(self, data: bytes, parts: list[bytes], ends: list[int], a: int, b: int) -> list[int] | None:
@@ -218,9 +212,8 @@ class L1Cache:
         return self._seg.encode_piece(data[start:stop], left, right, inner=True)
 
     def _fallback(self, text: str, add_special_tokens: bool) -> tuple[list[int], int, None]:
-        with self._lock:
-            self.fallbacks += 1
-            self._count(False, 0)
+        self.fallbacks += 1
+        self._count(False, 0)
         return self._tok.encode(text, add_special_tokens=add_special_tokens), 0, None
 
     def _count(self, hit: bool, reused_bytes: int) -> None:
@@ -231,11 +224,10 @@ class L1Cache:
             self._stats.misses += 1
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            self._stats.entries = len(self._store)
-            self._stats.bytes = self._store.bytes
-            self._stats.evictions = self._store.evictions
-            return self._stats.as_dict()
+        self._stats.entries = len(self._store)
+        self._stats.bytes = self._store.bytes
+        self._stats.evictions = self._store.evictions
+        return self._stats.as_dict()
 
 
 def _prefix_keys(view: memoryview, ends: list[int], add_special_tokens: bool) -> list[bytes]:

@@ -1,16 +1,16 @@
 """What a chat template render may spend: its budget, and the size every value will have before it is built.
 
-A render has a deadline and a size budget (the output limit). chat_sandbox.py's hooks call these
+A render has a deadline and a size budget (the output limit). chat/sandbox.py's hooks call these
 checks: `check_predicted` before a value exists, from its operands (a repeat count times a length,
 the widths in a format string, the number of replacements), `check_size` after it exists when its
 size cannot be known in advance. Filters slow on big input get fixed input caps instead. Each error
-says which budget was exceeded. (chat_process.py adds the hard bounds: memory and a kill timer.)
+says which budget was exceeded. (chat/process.py adds the hard bounds: memory and a kill timer.)
 
 >>> b = Budget(deadline=float("inf"), max_seconds=1.0, max_bytes=10)
 >>> b.check_predicted(_replace_size("aaaa", "a", "bcd", -1), "a replaced string")
 Traceback (most recent call last):
 ...
-tokenbroker.workers.chat_budget.BudgetExceeded: chat template built a replaced string of 12 characters or more, over its size budget of 10 (the output limit)
+tokenbroker.workers.chat.render_budget.BudgetExceeded: chat template built a replaced string of 12 characters or more, over its size budget of 10 (the output limit)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ step; a changed byte, a truncation or a state made for another model fails the M
 derived from public data (the model's fingerprint), so the MAC detects corruption and foreign
 states but is no secret against a client that knows the model: such a client can forge a
 well-formed state. Decoding is therefore also safe on a forged state: every field is type-checked,
-sizes are bounded and ids are checked against the vocabulary by the caller (workers/stream.py).
+sizes are bounded and ids are checked against the vocabulary by the caller (workers/stream/).
 """
 
 from __future__ import annotations
@@ -87,10 +87,11 @@ def _u32(ids: list[int]) -> bytes:
 # only when there are stop strings or stop ids). Fixed fields first, so a step reads them with one
 # struct call; the options, the same for every step of a sequence, are parsed once per process.
 _HEADER = struct.Struct("<BHHBIII")  # flags, n context, n pending, n pending bytes, held bytes, options bytes, base_len + 1
+STATE_HEADER_BYTES = _HEADER.size
 _SKIP, _INCLUDE = 1, 2
 _OPTIONS_CACHE_MAX = 4096
 # Options are kept parsed (and states kept by the decoders) only when this small, so every cache of
-# this module and of workers/stream.py stays within a few MiB whatever clients send.
+# this module and of workers/stream/ stays within a few MiB whatever clients send.
 CACHED_OPTIONS_BYTES = 512
 _options_cache: dict[bytes, Options] = {}
 _plain = {f: Options(skip_special_tokens=bool(f & _SKIP), include_stop_str_in_output=bool(f & _INCLUDE)) for f in range(4)}
@@ -135,6 +136,11 @@ def _options_blob(o: Options) -> bytes:
                 _blobs.clear()
             _blobs[o] = blob
     return blob
+
+
+def options_bytes(o: Options) -> int:
+    """What the options take in a packed state (a reply's budget counts them)."""
+    return len(_options_blob(o)) if (o.stop or o.stop_token_ids) else 0
 
 
 def unpack_state(data: bytes, key: bytes, index: int, where: str | None = None) -> SeqState:

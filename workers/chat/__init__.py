@@ -3,13 +3,13 @@
 The reference is transformers 5.24 (`utils/chat_template_utils.py` and `apply_chat_template` in
 `tokenization_utils_base.py`): the same sandboxed Jinja environment and options, the same filters and
 globals, the same message preparation (None-valued keys dropped, reasoning fields aliased), the same
-`continue_final_message` cut and the same template choice among named templates (chat_templates.py finds
+`continue_final_message` cut and the same template choice among named templates (chat/templates.py finds
 the templates). transformers itself is never imported here; tests compare our prompts with its output
 byte for byte.
 
-Templates come from the Hub, so they are untrusted code: they render in chat_sandbox.py's sandboxed
+Templates come from the Hub, so they are untrusted code: they render in chat/sandbox.py's sandboxed
 environment, bounded in time, output size and every value's size (max_seconds, max_output_bytes), inside
-a child process with an address-space limit and a kill timer (chat_process.py; max_memory_bytes).
+a child process with an address-space limit and a kill timer (chat/process.py; max_memory_bytes).
 
 >>> r = ChatRenderer(ChatTemplates("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}", {}, "doc"), {})
 >>> r.render([{"role": "user", "content": "hi"}], add_generation_prompt=False)
@@ -23,8 +23,8 @@ from typing import Any
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import type_name
 
-from .chat_process import DEFAULT_MAX_MEMORY_BYTES, shared_render_process
-from .chat_templates import ChatTemplates, discover_chat_templates, special_tokens_from_config
+from .process import DEFAULT_MAX_MEMORY_BYTES, shared_render_process
+from .templates import ChatTemplates, discover_chat_templates, special_tokens_from_config
 
 __all__ = [
     "ChatRenderer", "ChatTemplates", "discover_chat_templates", "special_tokens_from_config",
@@ -181,7 +181,7 @@ def _cut_after_final_message(prompt: str, final: str) -> str:
 
 
 class ChatRenderer:
-    """Renders one model's chat templates in the worker's render child (chat_process.py), which compiles
+    """Renders one model's chat templates in the worker's render child (chat/process.py), which compiles
     each template once and keeps it."""
 
     def __init__(

@@ -17,7 +17,7 @@ from typing import Any
 
 from tokenbroker.common.errors import ProtocolError
 
-from .tokenizer_config import token_text
+from ..tokenizer_config import token_text
 
 # Standard named special tokens, in transformers' SPECIAL_TOKENS_ATTRIBUTES order.
 SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -5,7 +5,7 @@ both ends (building, packing, parsing). The columnar form carries the same step 
 strings: every sequence's ids concatenated (u32), their counts, the states concatenated and their
 lengths, and a final flag byte each. This module checks that the buffers agree and reads them
 with C-speed calls (array, itertools), and packs the reply's buffers the same way; the decoding
-itself is the row form's (workers/stream.py), so the results are identical sequence by sequence.
+itself is the row form's (workers/stream/), so the results are identical sequence by sequence.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from the operands (`s * n`, `a ~ b`, `a + b`, `join`, `replace`, `indent`, forma
 precisions, `tojson`'s indent, padding widths), after it is built otherwise (every other filter
 result, every method call result). The deadline is checked on every call, filter and loop iteration;
 filters that are slow on big input (`sort`, `unique`, `dictsort`, `groupby`, `urlize`, `wordwrap`)
-refuse inputs over a fixed cap. chat_process.py runs all of this in a child process with an
+refuse inputs over a fixed cap. chat/process.py runs all of this in a child process with an
 address-space limit and a kill timer, so what these checks miss is still bounded.
 
 >>> env = ChatEnvironment()
@@ -34,7 +34,7 @@ from jinja2.runtime import markup_join, str_join
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import _PassArg, generate_lorem_ipsum
 
-from .chat_budget import (
+from .render_budget import (
     ACTIVE,
     FILTER_CHECKS,
     Budget,

@@ -1,11 +1,11 @@
 """Text rules of detokenize_stream: where an unfinished UTF-8 character starts, and stop strings.
 
-Pure functions on bytes and str, shared by both decoders of workers/stream.py.
+Pure functions on bytes and str, shared by both decoders of workers/stream/.
 """
 
 from __future__ import annotations
 
-from .stream_state import Options
+from .state import Options
 
 
 def unfinished_start(data: bytes) -> int:

@@ -1,7 +1,7 @@
 """`detokenize_stream`: many sequences' new ids -> text deltas, exact, stateless, stop strings across steps.
 
 The contract is docs/protocol.md "Streaming detokenization". The service keeps no memory of a
-sequence: each step reads the sequence's state (workers/stream_state.py), decodes its new ids and
+sequence: each step reads the sequence's state (workers/stream/state.py), decodes its new ids and
 returns the new text with the next state.
 
 Two decoders, chosen per tokenizer once:
@@ -21,7 +21,7 @@ Two decoders, chosen per tokenizer once:
   leaves the state unchanged. All windows of a request go to one `decode_batch`.
 
 Stop strings are then matched over the released text, holding back the longest tail that could
-still begin one (workers/stream_text.py). States this worker made are kept parsed (bounded), so
+still begin one (workers/stream/text.py). States this worker made are kept parsed (bounded), so
 the next step skips the MAC and, when nothing changed, returns the same state bytes.
 """
 
@@ -35,11 +35,14 @@ from typing import Any
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import type_name
 
-from .stream_columns import FINISHED_CODE, Columns, columns_reply, read_columns
-from .stream_state import MAX_PENDING_IDS, MAX_STOP_CHARS, MAX_STOP_STRINGS, Options, SeqState, pack_state, state_key, unpack_state
-from .stream_text import stop_scan, unfinished_start, valid_utf8
-from .stream_vocab import anchor_token, byte_fallback_ids, byte_level_table, tiktoken_table
-from .tokenizers import InvalidTokenId, Tokenizer, check_ids
+from ..budget import ReplyBudget, decoded_lengths
+from .columns import FINISHED_CODE, Columns, columns_reply, read_columns
+from .state import (
+    HEADER_BYTES, MAX_CONTEXT_IDS, MAX_PENDING_IDS, MAX_STOP_CHARS, MAX_STOP_STRINGS, STATE_HEADER_BYTES, Options, SeqState,
+    options_bytes, pack_state, state_key, unpack_state)
+from .text import stop_scan, unfinished_start, valid_utf8
+from .vocab import anchor_token, byte_fallback_ids, byte_level_table, tiktoken_table
+from ..tokenizers import InvalidTokenId, Tokenizer, check_ids
 
 # Released ids kept as decode context. One is enough for every decoder we know (they look at a
 # token's neighbour or its index only); the context then grows by the released ids up to
@@ -51,6 +54,8 @@ REPLACEMENT = "\ufffd"
 _KNOWN_MAX = 1 << 14  # byte-table states kept, each a few dozen bytes plus its options
 _DEFAULT_OPTIONS = Options()  # a sequence that starts with no option (a columnar state of length 0)
 _KEPT_STATE_BYTES = 640  # states are kept (known, recent) only up to this size: both caches stay within ~40 MiB
+_SEQ_REPLY_BYTES = 64  # a sequence's reply beyond its text and state: a row's keys and headers, or its lengths and flag
+_WHAT = "the texts and states of its sequences"
 
 
 @dataclass(slots=True)
@@ -98,7 +103,7 @@ class StreamDecoder:
                                for i, b in enumerate(self.table)]
         # window states made here: state -> what it holds, so the next step need not verify it
         self._recent: dict[bytes, tuple] = {}
-        # one token that stands in for any context ending in a released non-byte token (see stream_vocab)
+        # one token that stands in for any context ending in a released non-byte token (see stream/vocab.py)
         found = None if self.table is not None else anchor_token(raw, self.vocab_size, self.skip_ids | frozenset(self.byte_ids))
         self.anchor, self.anchor_len = found if found is not None else (None, -1)
         # a byte token no byte completes, standing in for a byte group that is already invalid
@@ -108,9 +113,66 @@ class StreamDecoder:
     def method(self) -> str:
         return "byte-table" if self.table is not None else "prefix-window"
 
+    # --- the reply's budget, charged before any text is built --------------------------------
+
+    def _per_seq(self) -> int:
+        """What a sequence's reply may hold beyond its text and what its request's state (or options)
+        held: map keys and headers, and a new state's fixed part (a window state's ids too)."""
+        ids = 0 if self.table is not None else 4 * (MAX_CONTEXT_IDS + MAX_PENDING_IDS)
+        return _SEQ_REPLY_BYTES + HEADER_BYTES + STATE_HEADER_BYTES + 3 + ids
+
+    def charge_rows(self, budget: ReplyBudget, seqs: list, payload_bytes: int) -> None:
+        """Charge a row request's reply before it is served (too_large before any text is built).
+
+        Free bound first: every id takes at least a byte of the payload and decodes to at most the
+        longest id's text; a state's held text and options come back at most twice over (state and
+        text), so texts and states are within payload x (longest + 2) plus a fixed part per sequence.
+        When that does not fit, each sequence is read (and checked, naming its fields) and counted:
+        its new and pending ids by their decoded lengths, its state's options and held text twice.
+        """
+        lengths = decoded_lengths(self.tokenizer)
+        per_seq = self._per_seq()
+        loose = payload_bytes * (max(lengths.longest, 4) + 2) + len(seqs) * per_seq  # a stop id: 1 byte in, 4 in a state
+
+        def exact() -> int:
+            total = 0
+            for i, m in enumerate(seqs):
+                s = self._read(i, m)
+                st = s.state
+                total += lengths.exact(st.pending + s.ids if st.pending else s.ids, budget.limit) + per_seq
+                total += 2 * (options_bytes(st.options) + 4 * len(st.held)) + len(st.pending_bytes)
+                if total > budget.limit:
+                    break
+            return total
+
+        budget.charge(loose, exact, _WHAT)
+
+    def charge_columns(self, budget: ReplyBudget, c: Columns) -> None:
+        """Charge a columnar request's reply (as `charge_rows`): the ids by their decoded lengths, each
+        state's ids (its header says how many; a state that lies fails its MAC before anything is
+        built from it) at the longest id's text, and its bytes three times (state, held text, options)."""
+        lengths = decoded_lengths(self.tokenizer)
+        per_seq = self._per_seq()
+        state_bytes = sum(map(len, c.states))
+        base = c.n * per_seq + 3 * state_bytes
+        loose = base + len(c.ids) * lengths.longest + (state_bytes // 4) * lengths.longest
+
+        def exact() -> int:
+            held_ids = 0
+            if self.table is None:
+                for raw in c.states:
+                    if len(raw) >= HEADER_BYTES + STATE_HEADER_BYTES:
+                        held_ids += int.from_bytes(raw[HEADER_BYTES + 3:HEADER_BYTES + 5], "little")  # pending ids
+            return base + lengths.exact(c.ids, budget.limit) + held_ids * lengths.longest
+
+        budget.charge(loose, exact, _WHAT)
+
     # --- one request ---------------------------------------------------------------------
 
-    def run(self, seqs: list) -> list[dict]:
+    def run(self, seqs: list, budget: ReplyBudget | None = None, payload_bytes: int = 0) -> list[dict]:
+        """Serve a row request; with `budget`, its reply is charged first (`charge_rows`)."""
+        if budget is not None:
+            self.charge_rows(budget, seqs, payload_bytes)
         if self.table is not None:
             return [self._table_fast(m) or self._table_slow(i, m) for i, m in enumerate(seqs)]
         steps = [self._read(i, m) for i, m in enumerate(seqs)]
@@ -121,7 +183,7 @@ class StreamDecoder:
 
     # --- one columnar request (contract 1.2) ----------------------------------------------
 
-    def run_columns(self, cols: Any, max_items: int) -> dict:
+    def run_columns(self, cols: Any, max_items: int, budget: ReplyBudget | None = None) -> dict:
         """A columnar step: the same results as `run` on the equivalent `seqs`, as the reply's `columns`.
 
         One pass over the buffers; a byte-table model serves the common sequence (a state seen
@@ -130,6 +192,8 @@ class StreamDecoder:
         """
         c = read_columns(cols, max_items)
         self._check_column_ids(c)
+        if budget is not None:
+            self.charge_columns(budget, c)
         if self.table is not None:
             return self._table_columns(c)
         steps = [self._column_step(c, i) for i in range(c.n)]

@@ -1,7 +1,7 @@
 """Chat templates render in a child process: a hard bound on memory (RLIMIT_AS) and wall time (a kill timer).
 
 Templates are hostile code (clients may send them with `add_model`; messages and chat_template_kwargs
-are client data). The sandbox in chat_sandbox.py checks every value a template builds, but a single
+are client data). The sandbox in chat/sandbox.py checks every value a template builds, but a single
 C-level call (sorting 16 million strings, one huge `str.join`) cannot be interrupted from inside the
 process, and any check we forget lets a value grow without bound. So the render itself runs in a child
 process that the worker starts once and reuses:
@@ -47,6 +47,7 @@ from tokenbroker.common.errors import ProtocolError
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MEMORY_BYTES = 512 * 2**20
+RENDER_NICE = 5  # the child's CPU priority below its worker's: its budget is wall time, so this costs only contended renders
 _GRACE_SECONDS = 0.5  # the child's own deadline check answers first, with the same message, and survives
 _HEADER = struct.Struct("<I")
 _MAX_MESSAGE_CHARS = 64 * 1024  # error messages a template builds are cut here
@@ -182,6 +183,13 @@ class RenderProcess:
             if self._child is not None:
                 self._discard(self._child)
 
+    def cancel(self) -> None:
+        """Kill the child now, from any thread (the lane's watchdog, past a job's deadline): a render
+        waiting on it returns at once with a template_error, and the next render starts a new child."""
+        child = self._child
+        if child is not None and child.proc.poll() is None:
+            child.proc.kill()
+
     def _await(self, child: _Child, deadline: float, max_seconds: float, max_bytes: int) -> dict:
         try:
             body = child.reader.read(deadline=deadline, max_size=max_bytes + 4 * _MAX_MESSAGE_CHARS + 4096)
@@ -207,7 +215,8 @@ class RenderProcess:
         if self._child is None or self._child.proc.poll() is not None:
             if self._child is not None:
                 self._discard(self._child)
-            argv = [sys.executable, "-m", __name__, str(self.max_memory_bytes)]
+            # -c rather than -m: `-m` would import this module twice (its package's facade imports it first)
+            argv = [sys.executable, "-c", f"import sys; from {__name__} import main; main(sys.argv[1:])", str(self.max_memory_bytes)]
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True)
             self._child = _Child(proc, _FrameReader(proc.stdout.fileno()))
         return self._child
@@ -287,7 +296,7 @@ def _serve_one(env: Any, compiled: dict, names: dict, request: dict, max_memory_
     """Compile (once per template) and render one request; every failure becomes an error reply."""
     import jinja2
 
-    from .chat_sandbox import BudgetExceeded, generate_bounded
+    from .sandbox import BudgetExceeded, generate_bounded
 
     number = request["t"]
     if "src" in request:
@@ -318,10 +327,11 @@ def _serve_one(env: Any, compiled: dict, names: dict, request: dict, max_memory_
 
 def main(argv: list[str]) -> None:
     """The child: answer render requests on stdin until EOF, each render's address space capped."""
-    from .chat_sandbox import ChatEnvironment
+    from .sandbox import ChatEnvironment
 
     max_memory_bytes = int(argv[0])
     _die_with_parent()
+    os.nice(RENDER_NICE)  # a render that burns its budget yields the CPU to the worker's small jobs
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when we stop (Ctrl-C reaches the group)
     out_fd = os.dup(1)
     os.dup2(2, 1)  # nothing but frames on the pipe, whatever prints
