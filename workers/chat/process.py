@@ -124,6 +124,7 @@ def _time_message(max_seconds: float) -> str:
 class _Child:
     proc: subprocess.Popen
     reader: _FrameReader
+    stdin_fd: int
     known: set[int] = field(default_factory=set)  # template numbers this child has compiled
 
 
@@ -157,13 +158,14 @@ class RenderProcess:
         with self._lock:
             number = self._numbers.setdefault(source, len(self._numbers))
             request = {"t": number, "vars": variables, "s": max_seconds, "b": max_bytes}
+            child: _Child | None = None
             for attempt in range(2):  # a child that died while idle is replaced once
                 child = None
                 try:
                     child = self._ensure()
                     if number not in child.known:
                         request.update(src=source, name=name)
-                    _write_all(child.proc.stdin.fileno(), _pack(request))
+                    _write_all(child.stdin_fd, _pack(request))
                     break
                 except OSError as e:
                     if child is not None:
@@ -172,6 +174,7 @@ class RenderProcess:
                         log.error("chat template sandbox could not be started: %s", e)
                         raise ProtocolError(
                             "template_error", "the chat template sandbox could not be started") from None
+            assert child is not None  # the loop breaks with a child or raises
             child.known.add(number)
             reply = self._await(child, time.monotonic() + max_seconds + _GRACE_SECONDS, max_seconds, max_bytes)
         if "error" in reply:
@@ -218,7 +221,8 @@ class RenderProcess:
             # -c rather than -m: `-m` would import this module twice (its package's facade imports it first)
             argv = [sys.executable, "-c", f"import sys; from {__name__} import main; main(sys.argv[1:])", str(self.max_memory_bytes)]
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True)
-            self._child = _Child(proc, _FrameReader(proc.stdout.fileno()))
+            assert proc.stdin is not None and proc.stdout is not None  # both are pipes
+            self._child = _Child(proc, _FrameReader(proc.stdout.fileno()), proc.stdin.fileno())
         return self._child
 
     def _discard(self, child: _Child) -> str:
@@ -230,7 +234,8 @@ class RenderProcess:
             proc.kill()
         for f in (proc.stdin, proc.stdout):
             try:
-                f.close()
+                if f is not None:
+                    f.close()
             except OSError:
                 pass
         code = proc.wait()

@@ -320,13 +320,15 @@ class _Rewrite(jinja2.visitor.NodeTransformer):
     """Every for-loop's iterable through `tb_guard_iter` (a loop may produce no output at all)."""
 
     def visit_For(self, node: jinja2.nodes.For) -> jinja2.nodes.Node:
-        node = self.generic_visit(node)
+        self.generic_visit(node)  # rewrites the children in place and returns `node`
         node.iter = _env_call("tb_guard_iter", [node.iter], node.lineno)
         return node
 
 
 def _env_call(name: str, args: list, lineno: int) -> jinja2.nodes.Call:
-    return jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute(name), args, [], None, None).set_lineno(lineno)
+    call = jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute(name), args, [], None, None)
+    call.set_lineno(lineno)
+    return call
 
 
 def generate_bounded(template: jinja2.Template, variables: dict, *, max_seconds: float, max_bytes: int) -> list[str]:

@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 
@@ -67,10 +68,10 @@ def state_key(fingerprint: str) -> bytes:
     return hashlib.sha256(DOMAIN + fingerprint.encode()).digest()
 
 
-_keyed: dict[bytes, "hashlib._Hash"] = {}
+_keyed: dict[bytes, Any] = {}  # keyed hashlib.blake2b objects
 
 
-def _mac(key: bytes, body: bytes) -> bytes:
+def _mac(key: bytes, body: bytes | memoryview) -> bytes:
     base = _keyed.get(key)
     if base is None:  # keying BLAKE2b costs more than copying a keyed one; one per model
         base = _keyed[key] = hashlib.blake2b(_VERSION_BYTE, key=key, digest_size=MAC_BYTES)
