@@ -48,7 +48,10 @@ MAX_REPORT_BYTES = 64 * 1024  # a heartbeat body larger than this is dropped
 MAX_LOADED_BYTES = 4 * 1024 * 1024  # a LOADED body (its special-token list) larger than this is dropped
 BATCH_BYTES = 4 * 1024 * 1024  # payload bytes in one backend message, past its first job
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _NOBLOCK_MORE = _NOBLOCK | _SNDMORE
+_raw_send = zmq.backend.Socket.send  # the Cython method under pyzmq's Python `Socket.send`
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
 
 
 @dataclass
@@ -123,7 +126,6 @@ class Backend:
         self.expected: dict[str, tuple[str, str]] = {}  # model -> (fingerprint, the worker that set it)
         self.workers: dict[bytes, WorkerState] = {}
         self.next_beat = 0.0
-        self.dropped = 0  # malformed frames dropped since start
         self._log = _RateLimitedLog()
 
     @staticmethod
@@ -133,13 +135,15 @@ class Backend:
     def receive(self, now: float, limit: int = 8192) -> list[object]:
         """Drain what has arrived (up to `limit` messages); returns events in arrival order."""
         events: list[object] = []
-        recv, more = self.sock.recv, self.sock.get
+        recv, get = self.sock.recv, self.sock.get
         for _ in range(limit):
+            if not get(_EVENTS) & _POLLIN:  # asked, not tried: a zmq.Again costs more than the read
+                break
             try:
                 frames = [recv(_NOBLOCK)]
             except zmq.Again:
                 break
-            while more(_RCVMORE):
+            while get(_RCVMORE):
                 frames.append(recv(_NOBLOCK))
             try:
                 events.extend(self._on_frames(frames, now))
@@ -148,7 +152,6 @@ class Backend:
         return events
 
     def _drop(self, kind: str, msg: str, *args: object) -> list[object]:
-        self.dropped += 1
         self._log.warn(kind, msg, *args)
         return []
 
@@ -288,12 +291,14 @@ class Backend:
         self._send_frames([wid, kind])
 
     def _send_frames(self, frames: list, *, copy: bool = True, block: bool = False) -> None:
-        """Frame by frame with plain int flags (pyzmq's send_multipart builds an enum per frame)."""
-        send, more = self.sock.send, _SNDMORE if block else _NOBLOCK_MORE
+        """Frame by frame, through pyzmq's Cython send with plain int flags (its Python `send`
+        wrapper and send_multipart cost more than the sends). copy=False: a frame under ZeroMQ's
+        copy threshold is still copied (no Frame object built for it), a larger one is not."""
+        sock, more = self.sock, _SNDMORE if block else _NOBLOCK_MORE
         last = len(frames) - 1
         try:
             for i, frame in enumerate(frames):
-                send(frame, more if i < last else more & ~_SNDMORE, copy=copy)
+                _raw_send(sock, frame, more if i < last else more & ~_SNDMORE, copy or len(frame) < _COPY_THRESHOLD)
         except zmq.ZMQError:
             if block:
                 raise
