@@ -48,7 +48,6 @@ MAX_REPORT_BYTES = 64 * 1024  # a heartbeat body larger than this is dropped
 MAX_LOADED_BYTES = 4 * 1024 * 1024  # a LOADED body (its special-token list) larger than this is dropped
 BATCH_BYTES = 4 * 1024 * 1024  # payload bytes in one backend message, past its first job
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _NOBLOCK_MORE = _NOBLOCK | _SNDMORE
 _raw_send = zmq.backend.Socket.send  # the Cython method under pyzmq's Python `Socket.send`
 _COPY_THRESHOLD = zmq.COPY_THRESHOLD
@@ -135,16 +134,19 @@ class Backend:
     def receive(self, now: float, limit: int = 8192) -> list[object]:
         """Drain what has arrived (up to `limit` messages); returns events in arrival order."""
         events: list[object] = []
-        recv, get = self.sock.recv, self.sock.get
+        recv = self.sock.recv
         for _ in range(limit):
-            if not get(_EVENTS) & _POLLIN:  # asked, not tried: a zmq.Again costs more than the read
-                break
             try:
                 frames = [recv(_NOBLOCK)]
             except zmq.Again:
                 break
-            while get(_RCVMORE):
-                frames.append(recv(_NOBLOCK))
+            # The frames after the identity come as Frames, whose `more` says whether another
+            # follows: sock.get(RCVMORE) costs an enum lookup and a getpid per call.
+            more = True
+            while more:
+                frame = recv(_NOBLOCK, copy=False)
+                more = frame.more
+                frames.append(frame.bytes)
             try:
                 events.extend(self._on_frames(frames, now))
             except Exception:  # a bug must cost this message, never the loop

@@ -187,7 +187,6 @@ def _peek_map(unpacker: msgpack.Unpacker, raw: bytes, base: int, start: int) -> 
 
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)  # a plain int: `sock.rcvmore` costs an enum lookup per frame
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 REPLY_FRAME_BYTES = 4 * 1024 * 1024  # replies coalesced in one frame, past its first
 _PACKER = msgpack.Packer()
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
@@ -282,13 +281,19 @@ class Frontend:
         None when nothing is waiting.
         """
         sock = self.sock
-        if not sock.get(_EVENTS) & _POLLIN:  # asked, not tried: a zmq.Again costs more than the read
+        try:
+            frames: list = [sock.recv(_NOBLOCK)]
+        except zmq.Again:
             return None
-        frames: list = [sock.recv(_NOBLOCK)]
         peer = oversized = None
-        while sock.get(_RCVMORE):  # the frames of one message are all there once its first is
+        # A ROUTER message is its identity and at least one frame; the frames after it come as
+        # Frames, whose `more` says whether another follows (sock.get(RCVMORE) costs an enum
+        # lookup and a getpid per call, more than the Frame).
+        more = True
+        while more:  # the frames of one message are all there once its first is
             # Not copied yet: a frame over the limit is answered from ZeroMQ's own buffer, then freed.
             frame = sock.recv(_NOBLOCK, copy=False)
+            more = frame.more
             if self.tell_peer:
                 peer = Peer.of(frame)
             if len(frame) > self.max_request_bytes:

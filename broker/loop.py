@@ -45,7 +45,6 @@ SHUTDOWN_GRACE_S = 10.0
 MODEL_OPS = frozenset({"tokenize", "detokenize", "chat", "detokenize_stream"})  # `model` names a served model
 CATALOG_OPS = frozenset({"models", *ADMIN_OPS})  # answered by the broker from its catalog
 REAP_EVERY_S = 0.02  # children are looked at this often, and at once on SIGCHLD (fork mode: the template reports)
-POLL_EVERY_S = 0.01  # a busy loop that skips the poll still polls this often (the signal pipe, fairness)
 PLAN_EVERY_S = 0.05  # placement looks again this often while requests queue (else once a second)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 WAKE_SIGNALS = (*STOP_SIGNALS, signal.SIGCHLD, signal.SIGHUP)  # SIGHUP: re-read the CURVE key folders
@@ -105,7 +104,6 @@ class Broker:
         self.poller.register(backend.sock, zmq.POLLIN)
         self.poller.register(wakeup.fileno(), zmq.POLLIN)
         self.next_reap = 0.0
-        self.next_poll = 0.0
 
     # --- start -------------------------------------------------------------------------
 
@@ -145,39 +143,25 @@ class Broker:
         self.frontend.flush(())
 
     def _serve(self) -> None:
-        """One turn: wait for input (skipped while a socket already holds some), drain both
-        sockets, run the timers, send each connection its replies.
-
-        The poll is a syscall per turn, and a busy loop's turns are short: while ZeroMQ says a
-        socket is readable (`EVENTS`, no syscall) the loop goes on without it, polling with no
-        wait at least every POLL_EVERY_S so signals are still seen.
-        """
+        """One turn: wait for input, drain both sockets, run the timers, send each connection the
+        turn's replies. (zmq_poll called directly: zmq.Poller wraps it in Python.)"""
         front, back, wake = self.frontend.sock, self.backend.sock, self.wakeup.fileno()
         items = [(back, zmq.POLLIN), (wake, zmq.POLLIN), (front, zmq.POLLIN)]
-        poll, EVENTS, POLLIN = zmq.zmq_poll, int(zmq.EVENTS), int(zmq.POLLIN)
-        back_get, front_get = back.get, front.get
+        poll = zmq.zmq_poll
         gc.freeze()  # what start-up built is never garbage: the collector stops walking it
         gc.set_threshold(10_000, 20, 20)  # a turn allocates thousands of short-lived objects, none cyclic
         while True:
             now = time.monotonic()
-            back_in = back_get(EVENTS) & POLLIN
-            front_in = front_get(EVENTS) & POLLIN
-            if (back_in or front_in) and now < self.next_poll:
-                woken = False
-            else:
-                ready = {s for s, _ in poll(items, 0 if back_in or front_in else self._timeout_ms(now))}
-                self.next_poll = now + POLL_EVERY_S
-                now = time.monotonic()
-                woken = wake in ready
-                back_in, front_in = back in ready, front in ready
-            if woken:
+            ready = [s for s, _ in poll(items, self._timeout_ms(now))]
+            now = time.monotonic()
+            if wake in ready:
                 self.next_reap = 0.0  # SIGCHLD among them, maybe
                 if self._stop_requested() and self.stopping_since is None:
                     log.info("stopping: answering the %d requests held", len(self.jobs))
                     self.stopping_since = now
-            if back_in:
+            if back in ready:
                 self._on_backend(now)
-            if front_in:
+            if front in ready:
                 self._on_frontend(now)
             self.tick(now)
             self.frontend.flush(self.jobs.per_client)
