@@ -52,6 +52,8 @@ LOAD_GRACE_S = 60.0
 BATCH_BYTES = 4 * 1024 * 1024  # payload bytes in one backend message, past its first job
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
 _NOBLOCK_MORE = _NOBLOCK | _SNDMORE
+_raw_send = zmq.backend.Socket.send  # the Cython method under pyzmq's Python `Socket.send`
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
 
 
 @dataclass
@@ -128,7 +130,6 @@ class Backend:
         self.expected: dict[str, tuple[str, str]] = {}  # model -> (fingerprint, the worker that set it)
         self.workers: dict[bytes, WorkerState] = {}
         self.next_beat = 0.0
-        self.dropped = 0  # malformed frames dropped since start
         self._log = _RateLimitedLog()
 
     @staticmethod
@@ -138,14 +139,19 @@ class Backend:
     def receive(self, now: float, limit: int = 8192) -> list[object]:
         """Drain what has arrived (up to `limit` messages); returns events in arrival order."""
         events: list[object] = []
-        recv, more = self.sock.recv, self.sock.get
+        recv = self.sock.recv
         for _ in range(limit):
             try:
                 frames = [recv(_NOBLOCK)]
             except zmq.Again:
                 break
-            while more(_RCVMORE):
-                frames.append(recv(_NOBLOCK))
+            # The frames after the identity come as Frames, whose `more` says whether another
+            # follows: sock.get(RCVMORE) costs an enum lookup and a getpid per call.
+            more = True
+            while more:
+                frame = recv(_NOBLOCK, copy=False)
+                more = frame.more
+                frames.append(frame.bytes)
             try:
                 events.extend(self._on_frames(frames, now))
             except Exception:  # a bug must cost this message, never the loop
@@ -153,7 +159,6 @@ class Backend:
         return events
 
     def _drop(self, kind: str, msg: str, *args: object) -> list[object]:
-        self.dropped += 1
         self._log.warn(kind, msg, *args)
         return []
 
@@ -299,12 +304,14 @@ class Backend:
         self._send_frames([wid, kind])
 
     def _send_frames(self, frames: list, *, copy: bool = True, block: bool = False) -> None:
-        """Frame by frame with plain int flags (pyzmq's send_multipart builds an enum per frame)."""
-        send, more = self.sock.send, _SNDMORE if block else _NOBLOCK_MORE
+        """Frame by frame, through pyzmq's Cython send with plain int flags (its Python `send`
+        wrapper and send_multipart cost more than the sends). copy=False: a frame under ZeroMQ's
+        copy threshold is still copied (no Frame object built for it), a larger one is not."""
+        sock, more = self.sock, _SNDMORE if block else _NOBLOCK_MORE
         last = len(frames) - 1
         try:
             for i, frame in enumerate(frames):
-                send(frame, more if i < last else more & ~_SNDMORE, copy=copy)
+                _raw_send(sock, frame, more if i < last else more & ~_SNDMORE, copy or len(frame) < _COPY_THRESHOLD)
         except zmq.ZMQError:
             if block:
                 raise

@@ -1,8 +1,9 @@
 """Which queued job goes to which worker, and when: the broker's dispatch policy. No socket, no clock.
 
-The `Dispatcher` is the one owner of placement state: the pending queue, and for each worker the
-jobs it holds (its slots). The router (tokenbroker.broker.router) is its policy for one pick; its
-in-flight counts move only through the dispatcher, in step with the slots.
+The `Dispatcher` owns where each job is: the pending queue, and for each worker the jobs it holds
+(its `Slots`). (Which worker holds which *model* is broker/placement.py's.) The router
+(tokenbroker.broker.router) is its policy for one pick, and reads each worker's load from the
+slots themselves (`Slots.held`, `Slots.blocked`): the one place that counts it.
 
 A turn of `assign(now)`:
 
@@ -65,17 +66,23 @@ class Job:
     answered: bool = False
     model: str | None = None  # the served model it names (None: any worker's default will do)
     catalog: bool = False  # `model` is a catalog entry's name: only its holders may take it, or it waits
+    long: bool = False  # a tokenize the worker encodes off its loop (set by the dispatcher when queued)
 
 
 @dataclass(slots=True)
 class Slots:
-    """What one worker holds."""
+    """What one worker holds: its load, as the router reads it (router.WorkerLoad)."""
 
     capacity: int
     jobs: dict[int, Job] = field(default_factory=dict)
     bytes: int = 0
     long_jobs: int = 0  # long tokenize jobs held: encoded off the worker's loop, one at a time
     draining: bool = False  # said BYE: finishes what it holds, gets nothing new
+    blocked: bool = False  # no room by payload bytes (or count): set when that changes
+
+    @property
+    def held(self) -> int:
+        return len(self.jobs)
 
 
 class Dispatcher:
@@ -102,8 +109,8 @@ class Dispatcher:
 
     def add_worker(self, wid: bytes, capacity: int, *, names: list[str] = (), globs: list[str] = ()) -> None:  # type: ignore[assignment]
         """A worker joined with `capacity` slots, answering to model `names` and `globs` (no names: any model)."""
-        self.workers[wid] = Slots(capacity)
-        self.router.add_worker(wid, capacity)
+        slots = self.workers[wid] = Slots(capacity)
+        self.router.add_worker(wid, slots)
         if names or globs:
             self.models.add_worker(wid, list(names), list(globs))
         self._free += capacity
@@ -117,7 +124,7 @@ class Dispatcher:
             self.router.remove_worker(wid)
 
     def remove_worker(self, wid: bytes) -> list[Job]:
-        """The worker is gone: returns the jobs it held (oldest first), no longer placed."""
+        """The worker is gone: returns the jobs it held (oldest first), held nowhere now."""
         slots = self.workers.pop(wid, None)
         if slots is None:
             return []
@@ -129,7 +136,8 @@ class Dispatcher:
             job.worker = None
         return list(slots.jobs.values())
 
-    def holds(self, wid: bytes) -> int:
+    def held(self, wid: bytes) -> int:
+        """How many jobs the worker holds now."""
         slots = self.workers.get(wid)
         return len(slots.jobs) if slots is not None else 0
 
@@ -146,6 +154,7 @@ class Dispatcher:
     # --- jobs ----------------------------------------------------------------------------
 
     def enqueue(self, job: Job) -> None:
+        job.long = self._long(job)
         self.pending.append(job)
         self.waiting += 1
         if job.catalog:
@@ -176,7 +185,7 @@ class Dispatcher:
             return None
         before = self._room(slots)
         del slots.jobs[job_id]
-        if self._long(job):
+        if job.long:
             slots.long_jobs -= 1
         else:
             slots.bytes -= len(job.raw)
@@ -184,8 +193,7 @@ class Dispatcher:
         if served and job.route is not None:
             self.router.record(job.route, wid)
         if not slots.draining:
-            self.router.finished(wid)
-            self._set_room(wid, slots, before)
+            self._set_room(slots, before)
         return job
 
     def clear(self) -> None:
@@ -195,9 +203,9 @@ class Dispatcher:
         self.demand.clear()
         self._stale = 0
 
-    def expired(self, job: Job) -> None:
-        """A queued job was answered (its deadline passed, or its model failed or went): it leaves
-        the queue's count now. The caller has set `job.answered`."""
+    def dequeued(self, job: Job) -> None:
+        """A queued job was answered where it waits (its deadline passed, or its model failed or
+        was removed): it leaves the queue's count now. The caller has set `job.answered`."""
         self.waiting -= 1
         if job.catalog:
             self._demand(job.model, -1)
@@ -209,12 +217,15 @@ class Dispatcher:
     # --- the policy ----------------------------------------------------------------------
 
     def assign(self, now: float) -> list[tuple[bytes, list[Job]]]:
-        """Place what can be placed now; returns each worker's new jobs, in the order to send."""
+        """Hand out what can go to a worker now; returns each worker's new jobs, in the order to send."""
         if self._free <= 0 or not self.waiting:
             return []
         out: dict[bytes, list[Job]] = {}
         kept: list[Job] = []
         pending = self.pending
+        # Keys whose preferred worker is full (within the bound) this turn: picks only add load and
+        # the bound only grows with it, so the same key would wait again; it is not asked twice.
+        waits: set[RouteKey] = set()
         for _ in range(min(self.lookahead, len(pending))):
             if self._free <= 0:
                 break
@@ -223,12 +234,17 @@ class Dispatcher:
                 self._stale -= 1
                 continue
             allowed = self._allowed(job)
+            if allowed is None and job.route in waits:
+                kept.append(job)
+                continue
             wid = None if allowed is not None and not allowed else self.router.pick(
-                job.route, overflow=False, record=False, allowed=allowed)
+                job.route, overflow=False, allowed=allowed)
             if wid is None:
                 kept.append(job)
+                if allowed is None and job.route is not None:
+                    waits.add(job.route)
             else:
-                self._place(job, wid, out)
+                self._hand(job, wid, out)
         pending.extendleft(reversed(kept))
         spill_before = now - self.spill_wait
         passed: list[Job] = []  # jobs whose model's workers are all full: the rest may go past them
@@ -241,14 +257,14 @@ class Dispatcher:
             if job.route is not None and job.queued > spill_before:
                 break  # it may still wait for its preferred worker (and the queue is in arrival order)
             allowed = self._allowed(job)
-            wid = None if allowed is not None and not allowed else self.router.pick(job.route, record=False, allowed=allowed)
+            wid = None if allowed is not None and not allowed else self.router.pick(job.route, allowed=allowed)
             if wid is None:
                 if allowed is None:
                     break
                 passed.append(pending.popleft())
                 continue
             pending.popleft()
-            self._place(job, wid, out)
+            self._hand(job, wid, out)
         pending.extendleft(reversed(passed))
         return list(out.items())
 
@@ -273,7 +289,7 @@ class Dispatcher:
         """The workers that may take the job: its catalog model's holders (maybe none), else by READY
         names; a long tokenize, only those not encoding one already."""
         allowed = self.holders(job.model) if job.catalog else self.models.eligible(job.model)  # type: ignore[arg-type]
-        if not self._long(job):
+        if not job.long:
             return allowed
         free = frozenset(wid for wid, slots in self.workers.items() if not slots.long_jobs)
         return free if allowed is None else allowed & free
@@ -289,11 +305,12 @@ class Dispatcher:
         else:
             self.demand.pop(model, None)  # type: ignore[arg-type]
 
-    def _place(self, job: Job, wid: bytes, out: dict[bytes, list[Job]]) -> None:
+    def _hand(self, job: Job, wid: bytes, out: dict[bytes, list[Job]]) -> None:
+        """Give the job to the worker (its slots hold it from now on)."""
         slots = self.workers[wid]
         before = self._room(slots)
         slots.jobs[job.job_id] = job
-        if self._long(job):
+        if job.long:
             slots.long_jobs += 1
         else:
             slots.bytes += len(job.raw)
@@ -302,7 +319,7 @@ class Dispatcher:
         self.waiting -= 1
         if job.catalog:
             self._demand(job.model, -1)
-        self._set_room(wid, slots, before)
+        self._set_room(slots, before)
         out.setdefault(wid, []).append(job)
 
     def _room(self, slots: Slots) -> int:
@@ -311,8 +328,7 @@ class Dispatcher:
             return 0
         return slots.capacity - len(slots.jobs)
 
-    def _set_room(self, wid: bytes, slots: Slots, before: int) -> None:
+    def _set_room(self, slots: Slots, before: int) -> None:
         room = self._room(slots)
         self._free += room - before
-        if (room <= 0) != (before <= 0):  # the router hears only when the worker fills or frees up
-            self.router.block(wid, room <= 0)
+        slots.blocked = room <= 0

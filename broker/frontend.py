@@ -190,6 +190,8 @@ _RCVMORE = int(zmq.RCVMORE)  # a plain int: `sock.rcvmore` costs an enum lookup 
 REPLY_FRAME_BYTES = 4 * 1024 * 1024  # replies coalesced in one frame, past its first
 _PACKER = msgpack.Packer()
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_raw_send = zmq.backend.Socket.send  # the Cython method under pyzmq's Python `Socket.send`
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
 _MAPS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 _ARRAYS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
 
@@ -272,18 +274,26 @@ class Frontend:
         self.arrays: set[bytes] = set()  # connections that sent an array and still hold requests
         self.outbox: dict[Envelope, list[bytes]] = {}  # their replies of this turn, sent by flush()
 
-    def receive(self) -> list[Incoming | None]:
+    def receive(self) -> list[Incoming | None] | None:
         """One message: its requests checked (one, or each element of an array), None for each one
         answered here with an error. An empty array is nothing, and gets no reply.
 
-        Raises zmq.Again when nothing is waiting.
+        None when nothing is waiting.
         """
         sock = self.sock
-        frames: list = [sock.recv(_NOBLOCK)]
+        try:
+            frames: list = [sock.recv(_NOBLOCK)]
+        except zmq.Again:
+            return None
         peer = oversized = None
-        while sock.get(_RCVMORE):  # the frames of one message are all there once its first is
+        # A ROUTER message is its identity and at least one frame; the frames after it come as
+        # Frames, whose `more` says whether another follows (sock.get(RCVMORE) costs an enum
+        # lookup and a getpid per call, more than the Frame).
+        more = True
+        while more:  # the frames of one message are all there once its first is
             # Not copied yet: a frame over the limit is answered from ZeroMQ's own buffer, then freed.
             frame = sock.recv(_NOBLOCK, copy=False)
+            more = frame.more
             if self.tell_peer:
                 peer = Peer.of(frame)
             if len(frame) > self.max_request_bytes:
@@ -326,48 +336,57 @@ class Frontend:
                 out.append(Incoming(envelope, p, peer))
         return out
 
-    def reply(self, envelope: Envelope, payload: bytes) -> None:
-        """Send a reply now, or hold it for `flush` when its connection speaks arrays."""
-        if envelope.identity in self.arrays:
-            held = self.outbox.get(envelope)
-            if held is None:
-                self.outbox[envelope] = [payload]
-            else:
-                held.append(payload)
-            return
-        self._send(envelope, payload)
+    def reply(self, envelope: Envelope, payload: "bytes | memoryview") -> None:
+        """Hold a reply for `flush`, which sends the turn's replies together."""
+        held = self.outbox.get(envelope)
+        if held is None:
+            self.outbox[envelope] = [payload]
+        else:
+            held.append(payload)
 
     def flush(self, holding: "Container[bytes]") -> None:
-        """End of a turn: each array-speaking connection gets its replies in one frame, a MessagePack
-        array of them built from their bytes (never decoded; a lone reply goes as its map).
+        """End of a turn: send what the turn answered, back to back (ZeroMQ's I/O thread is woken
+        once for a run of sends, not per reply). A connection that speaks arrays gets its replies
+        in one frame, a MessagePack array of them built from their bytes (never decoded; a lone
+        reply goes as its map); any other gets each reply alone, as in 1.1.
         `holding`: the connections that still have requests held; the others stop being array
         speakers here (they say so again with their next array), so the set stays small."""
         if not self.outbox:
             return
+        arrays, send = self.arrays, self._send
         for envelope, payloads in self.outbox.items():
-            start = 0
-            while start < len(payloads):
-                end, size = start, 0
-                while end < len(payloads) and (end == start or size + len(payloads[end]) <= REPLY_FRAME_BYTES):
-                    size += len(payloads[end])
-                    end += 1
-                if end - start == 1:
-                    self._send(envelope, payloads[start])
-                else:
-                    self._send(envelope, _PACKER.pack_array_header(end - start) + b"".join(payloads[start:end]))
-                start = end
+            if envelope.identity not in arrays:
+                for payload in payloads:
+                    send(envelope, payload)
+                continue
+            if len(payloads) == 1:
+                send(envelope, payloads[0])
+            else:
+                start = 0
+                while start < len(payloads):
+                    end, size = start, 0
+                    while end < len(payloads) and (end == start or size + len(payloads[end]) <= REPLY_FRAME_BYTES):
+                        size += len(payloads[end])
+                        end += 1
+                    if end - start == 1:
+                        send(envelope, payloads[start])
+                    else:
+                        send(envelope, _PACKER.pack_array_header(end - start) + b"".join(payloads[start:end]))
+                    start = end
             if envelope.identity not in holding:
-                self.arrays.discard(envelope.identity)
+                arrays.discard(envelope.identity)
         self.outbox.clear()
 
-    def _send(self, envelope: Envelope, payload: bytes) -> None:
-        """Frame by frame with plain int flags: pyzmq's send_multipart costs more than the sends."""
-        send = self.sock.send
+    def _send(self, envelope: Envelope, payload: "bytes | memoryview") -> None:
+        """Frame by frame, through pyzmq's Cython send with plain int flags (its Python wrapper
+        and send_multipart cost more than the sends); a payload under ZeroMQ's copy threshold is
+        copied into the message, a larger one leaves without a copy."""
+        sock = self.sock
         try:
-            send(envelope.identity, _NOBLOCK_MORE)
+            _raw_send(sock, envelope.identity, _NOBLOCK_MORE)
             if envelope.delimited:
-                send(b"", _NOBLOCK_MORE)
-            send(payload, _NOBLOCK, copy=False)  # a reply of 64 KiB or more leaves without a copy
+                _raw_send(sock, b"", _NOBLOCK_MORE)
+            _raw_send(sock, payload, _NOBLOCK, len(payload) < _COPY_THRESHOLD)
         except zmq.ZMQError:  # the client is gone (a ROUTER drops what a full queue cannot take): never block the loop
             pass
 

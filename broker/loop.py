@@ -10,6 +10,7 @@ never tokenizes and never decodes a reply.
 from __future__ import annotations
 
 from dataclasses import replace
+import gc
 import logging
 import signal
 import socket
@@ -43,6 +44,7 @@ PUBLISH_EVERY_S = 0.1  # the exporter's view of the pool is at most this old
 SHUTDOWN_GRACE_S = 10.0
 MODEL_OPS = frozenset({"tokenize", "detokenize", "chat", "detokenize_stream"})  # `model` names a served model
 CATALOG_OPS = frozenset({"models", *ADMIN_OPS})  # answered by the broker from its catalog
+REAP_EVERY_S = 0.02  # children are looked at this often, and at once on SIGCHLD (fork mode: the template reports)
 PLAN_EVERY_S = 0.05  # placement looks again this often while requests queue (else once a second)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 WAKE_SIGNALS = (*STOP_SIGNALS, signal.SIGCHLD, signal.SIGHUP)  # SIGHUP: re-read the CURVE key folders
@@ -101,6 +103,7 @@ class Broker:
         self.poller = zmq.Poller()
         self.poller.register(backend.sock, zmq.POLLIN)
         self.poller.register(wakeup.fileno(), zmq.POLLIN)
+        self.next_reap = 0.0
 
     # --- start -------------------------------------------------------------------------
 
@@ -140,16 +143,25 @@ class Broker:
         self.frontend.flush(())
 
     def _serve(self) -> None:
+        """One turn: wait for input, drain both sockets, run the timers, send each connection the
+        turn's replies. (zmq_poll called directly: zmq.Poller wraps it in Python.)"""
+        front, back, wake = self.frontend.sock, self.backend.sock, self.wakeup.fileno()
+        items = [(back, zmq.POLLIN), (wake, zmq.POLLIN), (front, zmq.POLLIN)]
+        poll = zmq.zmq_poll
+        gc.freeze()  # what start-up built is never garbage: the collector stops walking it
+        gc.set_threshold(10_000, 20, 20)  # a turn allocates thousands of short-lived objects, none cyclic
         while True:
             now = time.monotonic()
-            events = dict(self.poller.poll(self._timeout_ms(now)))
+            ready = [s for s, _ in poll(items, self._timeout_ms(now))]
             now = time.monotonic()
-            if self.wakeup.fileno() in events and self._stop_requested() and self.stopping_since is None:
-                log.info("stopping: answering the %d requests held", len(self.jobs))
-                self.stopping_since = now
-            if self.backend.sock in events:
+            if wake in ready:
+                self.next_reap = 0.0  # SIGCHLD among them, maybe
+                if self._stop_requested() and self.stopping_since is None:
+                    log.info("stopping: answering the %d requests held", len(self.jobs))
+                    self.stopping_since = now
+            if back in ready:
                 self._on_backend(now)
-            if self.frontend.sock in events:
+            if front in ready:
                 self._on_frontend(now)
             self.tick(now)
             self.frontend.flush(self.jobs.per_client)
@@ -187,9 +199,8 @@ class Broker:
         for _ in range(FRONTEND_BATCH):
             if budget <= 0:
                 return
-            try:
-                incomings = self.frontend.receive()
-            except zmq.Again:
+            incomings = self.frontend.receive()
+            if incomings is None:
                 return
             for incoming in incomings:
                 if incoming is None:
@@ -324,7 +335,7 @@ class Broker:
 
     def _gone_if_idle(self, wid: bytes, now: float) -> None:
         state = self.backend.workers.get(wid)
-        if state is not None and state.draining and not self.dispatcher.holds(wid):
+        if state is not None and state.draining and not self.dispatcher.held(wid):
             self._worker_gone(wid, "left", now)
 
     def _worker_gone(self, wid: bytes, why: str, now: float, state: WorkerState | None = None) -> None:
@@ -352,11 +363,13 @@ class Broker:
     # --- timers ------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        for ex in self.supervisor.reap(now):
-            gone = next((w.wid for w in self.backend.workers.values() if w.name == ex.name), None)
-            if gone is not None:
-                self._worker_gone(gone, ex.describe(), now)
-        self.supervisor.tick(now)
+        if now >= self.next_reap:  # a waitpid per child and a read of the template's pipe: not every turn
+            self.next_reap = now + REAP_EVERY_S
+            for ex in self.supervisor.reap(now):
+                gone = next((w.wid for w in self.backend.workers.values() if w.name == ex.name), None)
+                if gone is not None:
+                    self._worker_gone(gone, ex.describe(), now)
+            self.supervisor.tick(now)
         for left in self.backend.tick(now):
             state = self.backend.workers.get(left.wid)
             if state is not None:
@@ -388,8 +401,8 @@ class Broker:
                     name=w.name,
                     host=w.ready.host,
                     pid=w.ready.pid,
-                    state="draining" if w.draining else ("busy" if self.dispatcher.holds(w.wid) else "idle"),
-                    in_flight=self.dispatcher.holds(w.wid),
+                    state="draining" if w.draining else ("busy" if self.dispatcher.held(w.wid) else "idle"),
+                    in_flight=self.dispatcher.held(w.wid),
                     capacity=w.ready.capacity,
                     report=w.report,
                 )
@@ -502,7 +515,7 @@ class Broker:
     def _fail_waiting(self, job: Job, code: str, message: str, now: float) -> None:
         """Answer a job still in the queue: it leaves the queue's count and its payload goes now."""
         self._fail(job, code, message, now)
-        self.dispatcher.expired(job)
+        self.dispatcher.dequeued(job)
         self._release(job)
         job.raw = b""
 
@@ -532,7 +545,7 @@ class Broker:
                                           demand=self.dispatcher.demand, full=self.dispatcher.full,
                                           busy=self.dispatcher.holds_model,
                                           fingerprints={e.name: e.fingerprint for e in entries if e.fingerprint},
-                                          jobs=self.dispatcher.holds):
+                                          jobs=self.dispatcher.held):
             if isinstance(action, Load):
                 spec = self.catalog.entries[action.model].spec
                 self.backend.send_load(action.wid, replace(spec, share=action.share) if action.share else spec)

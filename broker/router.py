@@ -5,8 +5,14 @@ deep, and a rendezvous key. The router keeps a prefix index, block hash -> the w
 tokenized it, and prefers the worker of the deepest block found there (then of the key itself);
 when the index knows none, rendezvous hashing of the key over the live workers chooses (highest
 weight, SplitMix64 of a per-worker salt, SHA-256 of its id, xor the key's first 8 bytes), so a
-worker that joins or leaves moves only the unindexed keys it wins or held. Every pick records the key and all its blocks at the chosen worker, because that
-worker now holds those prefixes in its L1: "last tokenized" is the truth the index tracks.
+worker that joins or leaves moves only the unindexed keys it wins or held. The index learns a key
+and all its blocks at a worker when that worker has tokenized the input (`record`, called by the
+dispatcher on an ok answer), because that worker now holds those prefixes in its L1: "last
+tokenized" is the truth the index tracks; a pick alone records nothing.
+
+Load. The router counts nothing: each worker's load is a `WorkerLoad` its owner keeps (the
+dispatcher's slots, broker/dispatch.py), read here at every pick: the jobs it holds, its capacity,
+and whether it is full by another measure (its payload bytes).
 
 Bounded load. The preferred worker is passed over when, counting this job, its in-flight jobs
 would exceed both `balance_factor` x mean and mean + `balance_margin` (the mean over live
@@ -44,11 +50,22 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Protocol
 
 from tokenbroker.broker.affinity import RouteKey
 
 DEFAULT_INDEX_MAX_ENTRIES = 1 << 20
+
+
+class WorkerLoad(Protocol):
+    """A worker's load as its owner counts it; the router only reads it."""
+
+    capacity: int  # the most jobs it holds at once
+    blocked: bool  # it takes nothing now, by another measure than its job count (its payload bytes)
+
+    @property
+    def held(self) -> int:  # the jobs it holds now
+        ...
 
 
 @dataclass(eq=False)
@@ -56,11 +73,9 @@ class _Worker:
     """One incarnation of a worker: a re-added id gets a new record, so old index entries stay dead."""
 
     wid: bytes
-    capacity: int
+    load: WorkerLoad
     salt: int  # this id's rendezvous salt, hashed once
-    in_flight: int = 0
     alive: bool = True
-    blocked: bool = False  # full by another measure than job count (the dispatcher's payload bytes)
 
 
 class Router:
@@ -79,74 +94,53 @@ class Router:
         self.index_max_entries = index_max_entries
         self._workers: dict[bytes, _Worker] = {}
         self._index: OrderedDict[bytes, _Worker] = OrderedDict()
-        self._total = 0
         self._stats = {"picks": 0, "affinity_hits": 0, "rendezvous": 0, "spills": 0, "overflows": 0,
                        "unkeyed": 0, "full": 0}
 
     # --- worker events ---------------------------------------------------------------------
 
-    def add_worker(self, wid: bytes, capacity: int) -> None:
-        """A worker is ready with `capacity` slots; a known id just takes the new capacity."""
-        if capacity < 1:
-            raise ValueError(f"worker capacity must be >= 1, got {capacity}")
+    def add_worker(self, wid: bytes, load: WorkerLoad) -> None:
+        """A worker is ready; `load` is where its owner counts what it holds. A known id takes the new load."""
+        if load.capacity < 1:
+            raise ValueError(f"worker capacity must be >= 1, got {load.capacity}")
         known = self._workers.get(wid)
         if known is not None:
-            known.capacity = capacity
+            known.load = load
             return
-        self._workers[wid] = _Worker(wid, capacity, _salt(wid))
+        self._workers[wid] = _Worker(wid, load, _salt(wid))
 
     def remove_worker(self, wid: bytes) -> None:
-        """The worker is gone: its in-flight count goes, its index entries stop counting."""
+        """The worker is gone (or takes nothing new): its load stops counting, its index entries too."""
         w = self._workers.pop(wid, None)
-        if w is None:
-            return
-        w.alive = False
-        self._total -= w.in_flight
-        w.in_flight = 0
-
-    def block(self, wid: bytes, blocked: bool) -> None:
-        """Take `wid` out of (or back into) the picks while it is full by the caller's own measure."""
-        w = self._workers.get(wid)
         if w is not None:
-            w.blocked = blocked
-
-    def finished(self, wid: bytes) -> None:
-        """One job of `wid` is done (answered, failed or timed out). Unknown ids are ignored."""
-        w = self._workers.get(wid)
-        if w is not None and w.in_flight > 0:
-            w.in_flight -= 1
-            self._total -= 1
+            w.alive = False
 
     # --- the policy ------------------------------------------------------------------------
 
-    def pick(self, key: RouteKey | None, *, overflow: bool = True, record: bool = True,
+    def pick(self, key: RouteKey | None, *, overflow: bool = True,
              allowed: frozenset[bytes] | None = None) -> bytes | None:
-        """A worker with a free slot for this request, counted in flight; None when all are full.
+        """A worker with a free slot for this request; None when all are full. The caller places
+        the job there, which its load then counts; the index learns nothing until `record()`,
+        called once the worker has tokenized the input (so requests a worker rejects never fill it).
 
         With `overflow=False`, also None when the key's preferred worker is full but within the
         load bound (the job would rather wait for it); an overloaded one is still spilled from.
-        With `record=False` the index learns nothing now: the caller calls `record()` once the
-        worker has tokenized the input (so requests a worker rejects never fill the index).
         `allowed`: only these workers may take it (the ones holding its model); None: any.
         """
-        free = [w for w in self._workers.values() if w.in_flight < w.capacity and not w.blocked
+        free = [w for w in self._workers.values() if w.load.held < w.load.capacity and not w.load.blocked
                 and (allowed is None or w.wid in allowed)]
         if not free:
             self._stats["full"] += 1
             return None
         if key is None:
-            chosen = min(free, key=lambda w: (w.in_flight, w.wid))
+            chosen = min(free, key=lambda w: (w.load.held, w.wid))
             self._stats["unkeyed"] += 1
         else:
             found = self._choose(key, free, overflow, allowed)
             if found is None:
                 return None
             chosen = found
-            if record:
-                self._record(key, chosen)
         self._stats["picks"] += 1
-        chosen.in_flight += 1
-        self._total += 1
         return chosen.wid
 
     def record(self, key: RouteKey, wid: bytes) -> None:
@@ -155,21 +149,11 @@ class Router:
         if w is not None:
             self._record(key, w)
 
-    def preferred(self, key: RouteKey | None) -> bytes | None:
-        """The worker `key` would go to with no load: index hit, else rendezvous. Records nothing."""
-        if key is None or not self._workers:
-            return None
-        w = self._lookup(key)
-        return (w or self._rendezvous(key.key, self._workers.values())).wid
-
-    def in_flight(self) -> dict[bytes, int]:
-        return {wid: w.in_flight for wid, w in self._workers.items()}
-
     def bound(self, extra: int = 1) -> float:
         """The most in-flight jobs a worker may reach when `extra` more jobs are placed."""
         if not self._workers:
             return 0.0
-        mean = (self._total + extra) / len(self._workers)
+        mean = (self._held() + extra) / len(self._workers)
         return max(self.balance_factor * mean, mean + self.balance_margin)
 
     def stats(self) -> dict[str, int]:
@@ -179,8 +163,11 @@ class Router:
         overflows (preferred full) + unkeyed; full counts picks answered None because every worker
         was full; gauges: workers, in_flight, index_entries.
         """
-        return {**self._stats, "workers": len(self._workers), "in_flight": self._total,
+        return {**self._stats, "workers": len(self._workers), "in_flight": self._held(),
                 "index_entries": len(self._index)}
+
+    def _held(self) -> int:
+        return sum(w.load.held for w in self._workers.values())
 
     # --- internals -------------------------------------------------------------------------
 
@@ -191,8 +178,9 @@ class Router:
             hit = None
         candidates = self._workers.values() if allowed is None else [w for w in self._workers.values() if w.wid in allowed]
         home = hit or self._rendezvous(key.key, candidates)
-        within = home.in_flight + 1 <= self.bound()
-        if within and home.in_flight < home.capacity and not home.blocked:
+        load = home.load
+        within = load.held + 1 <= self.bound()
+        if within and load.held < load.capacity and not load.blocked:
             self._stats["affinity_hits" if hit else "rendezvous"] += 1
             return home
         if within and not overflow:
@@ -200,7 +188,7 @@ class Router:
         # Spilled: over the bound, or merely full (an overflow). Least loaded, ties by rendezvous.
         self._stats["spills" if not within else "overflows"] += 1
         k = _key_int(key.key)
-        return min(free, key=lambda w: (w.in_flight, -_mix(w.salt ^ k)))
+        return min(free, key=lambda w: (w.load.held, -_mix(w.salt ^ k)))
 
     def _lookup(self, key: RouteKey) -> _Worker | None:
         """The live worker of the deepest indexed block, else of the key; drops stale entries met."""

@@ -190,9 +190,6 @@ class Envelope(NamedTuple):
     identity: bytes
     delimited: bool
 
-    def frames(self, payload: bytes) -> list[bytes]:
-        return [self.identity, b"", payload] if self.delimited else [self.identity, payload]
-
 
 NIL = b"\xc0"  # MessagePack nil
 
@@ -248,9 +245,9 @@ def common_fields(fields: dict) -> CommonFields:
 
 @dataclass(frozen=True)
 class Request:
-    """The common fields of a client request, validated; `payload` keeps the whole map."""
+    """The common fields of a client request, validated; `payload` keeps the whole map (its `id`
+    too: replies echo `raw_id`, the id's bytes as they came)."""
 
-    id: Any
     op: str
     model: str | None
     deadline_ms: int | None
@@ -316,7 +313,7 @@ def parse_request(data: bytes) -> Request:
     if isinstance(rid, (list, dict)):
         raise ProtocolError("bad_request", f"field 'id' must be nil, bool, int, float, str or bin, got {type_name(rid)}")
     common = common_fields(payload)
-    return Request(id=rid, raw_id=_echo_id(data, rid), op=common.op, model=common.model,
+    return Request(raw_id=_echo_id(data, rid), op=common.op, model=common.model,
                    deadline_ms=common.deadline_ms, affinity=common.affinity, tokens_format=common.tokens_format,
                    payload=payload)
 

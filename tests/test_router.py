@@ -18,8 +18,50 @@ from tokenbroker.common.protocol import pack
 WORKERS = [b"w0", b"w1", b"w2", b"w3"]
 
 
-def router(workers: list[bytes] = WORKERS, capacity: int = 4, **options: object) -> Router:
-    r = Router(**options)  # type: ignore[arg-type]
+class Load:
+    """A worker's load, as the dispatcher's slots keep it (router.WorkerLoad); here the test counts."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.held, self.blocked = capacity, 0, False
+
+
+class Placing(Router):
+    """The router with the dispatcher's part played by the test: a pick places the job there (its
+    worker's load counts it, and by default the index records the key, as an ok answer would);
+    `finished` answers one job of a worker."""
+
+    def add_worker(self, wid: bytes, capacity: int) -> None:  # type: ignore[override]
+        known = self._workers.get(wid)
+        if known is not None and capacity >= 1:
+            known.load.capacity = capacity
+            return
+        super().add_worker(wid, Load(capacity))
+
+    def pick(self, key: RouteKey | None, *, overflow: bool = True, record: bool = True,  # type: ignore[override]
+             allowed: frozenset[bytes] | None = None) -> bytes | None:
+        wid = super().pick(key, overflow=overflow, allowed=allowed)
+        if wid is not None:
+            self._workers[wid].load.held += 1  # type: ignore[attr-defined]
+            if record and key is not None:
+                self.record(key, wid)
+        return wid
+
+    def finished(self, wid: bytes) -> None:
+        w = self._workers.get(wid)
+        if w is not None and w.load.held > 0:
+            w.load.held -= 1  # type: ignore[attr-defined]
+
+    def in_flight(self) -> dict[bytes, int]:
+        return {wid: w.load.held for wid, w in self._workers.items()}
+
+    def preferred(self, key: RouteKey) -> bytes:
+        """The worker `key` would go to with no load: index hit, else rendezvous."""
+        w = self._lookup(key)
+        return (w or self._rendezvous(key.key, self._workers.values())).wid
+
+
+def router(workers: list[bytes] = WORKERS, capacity: int = 4, **options: object) -> Placing:
+    r = Placing(**options)  # type: ignore[arg-type]
     for wid in workers:
         r.add_worker(wid, capacity)
     return r
