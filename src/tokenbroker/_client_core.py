@@ -99,12 +99,21 @@ class Core:
         now = loop.time()
         call = Call(rid, body, loop.create_future(), now + timeout, timeout)
         self._calls[rid] = call
+        live = self._live
         try:
-            self._send(call, self._pick(), now)
+            self._send(call, live[0] if len(live) == 1 else self._pick(), now)
         except BaseException:
             self.discard(call)
             raise
-        self._watch_deadline(call)
+        # One timer for all calls, at the earliest deadline (a timer per call costs more than the call).
+        expiry = call.deadline + LOCAL_GRACE_S
+        heap = self._deadlines
+        heapq.heappush(heap, (expiry, rid))
+        if expiry < self._timer_at:
+            self._arm(expiry)
+        elif len(heap) > 4 * len(self._calls) + 4096:  # answered calls' entries: drop them now and then
+            heap[:] = [(c.deadline + LOCAL_GRACE_S, c.id) for c in self._calls.values()]
+            heapq.heapify(heap)
         return call
 
     async def call(self, body: dict, timeout: float) -> dict:
@@ -137,7 +146,8 @@ class Core:
 
     def _send(self, call: Call, link: Link, now: float) -> None:
         body = call.body
-        body["deadline_ms"] = min(MAX_DEADLINE_MS, max(1, int((call.deadline - now) * 1000)))
+        ms = int((call.deadline - now) * 1000)
+        body["deadline_ms"] = ms if 0 < ms <= MAX_DEADLINE_MS else (1 if ms < 1 else MAX_DEADLINE_MS)
         payload = self._packer.pack(body)
         if not link.outstanding:
             link.busy_since = now
@@ -153,7 +163,8 @@ class Core:
         request goes alone), so it stays far under any broker's --max-request-bytes."""
         if link.outbox and (len(link.outbox) >= COALESCE_MAX_CALLS or link.outbox_bytes + len(payload) > COALESCE_MAX_BYTES):
             self._flush(link)
-        link.outbox.append((call, payload))
+        link.outbox.append(payload)
+        link.outbox_calls.append(call)
         link.outbox_bytes += len(payload)
         if not link.kick:
             link.kick = True
@@ -162,10 +173,10 @@ class Core:
     def _flush(self, link: Link) -> None:
         """Send what the link holds: one request as its map, several as one MessagePack array of
         them (contract 1.2), built from their packed bytes. Calls cancelled or expired since go not."""
-        held, link.outbox, link.outbox_bytes = link.outbox, [], 0
-        calls = self._calls
+        pending = self._calls
         # A cancelled call's future is done at once, before its task has run to forget it.
-        payloads = [payload for call, payload in held if call is None or (call.id in calls and not call.future.done())]
+        payloads = [p for c, p in zip(link.outbox_calls, link.outbox) if c is None or (c.id in pending and not c.future.done())]
+        link.outbox, link.outbox_calls, link.outbox_bytes = [], [], 0
         if not payloads:
             return
         frame = payloads[0] if len(payloads) == 1 else self._packer.pack_array_header(len(payloads)) + b"".join(payloads)
@@ -234,7 +245,7 @@ class Core:
             if type(reply) is not dict:
                 link.dropped += 1
                 continue
-            rid = reply.get("id")
+            rid: Any = reply.get("id")
             try:
                 call = calls.get(rid)
             except TypeError:  # an unhashable id: not one of ours
@@ -291,19 +302,12 @@ class Core:
         target = min(others, key=lambda link: len(link.outstanding)) if others else self._pick()
         self._send(call, target, self._loop.time())  # type: ignore[union-attr]
 
-    def _watch_deadline(self, call: Call) -> None:
-        """One timer for all calls, at the earliest deadline (a timer per call costs more than the call)."""
-        expiry = call.deadline + LOCAL_GRACE_S
-        heap = self._deadlines
-        heapq.heappush(heap, (expiry, call.id))
-        if len(heap) > 4 * len(self._calls) + 4096:  # answered calls' entries: drop them now and then
-            heap[:] = [(c.deadline + LOCAL_GRACE_S, c.id) for c in self._calls.values()]
-            heapq.heapify(heap)
-        if expiry < self._timer_at:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer_at = expiry
-            self._timer = self._loop.call_at(expiry, self._on_deadlines)  # type: ignore[union-attr]
+    def _arm(self, expiry: float) -> None:
+        """The one deadline timer, moved earlier to `expiry`."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = expiry
+        self._timer = self._loop.call_at(expiry, self._on_deadlines)  # type: ignore[union-attr]
 
     def _on_deadlines(self) -> None:
         self._timer, self._timer_at = None, math.inf

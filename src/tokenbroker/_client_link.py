@@ -60,7 +60,8 @@ class Link:
     probe_id: int | None = None
     probe_sent: float = 0.0
     kick: bool = False  # a `_kick` is scheduled for this loop turn: it sends `outbox`, then drains
-    outbox: list[tuple[Call | None, bytes]] = field(default_factory=list)  # (call, payload) this turn; None: a probe
+    outbox: list[bytes] = field(default_factory=list)  # the payloads held for this turn's frame
+    outbox_calls: list[Call | None] = field(default_factory=list)  # their calls (None: a probe)
     outbox_bytes: int = 0
     outstanding: dict[int, Call] = field(default_factory=dict)
     sent: int = 0
@@ -98,4 +99,5 @@ class Link:
             self.sock.close(linger=0)
             self.sock = None
         self.outbox.clear()  # what it held is re-sent from `outstanding` by whoever closed it
+        self.outbox_calls.clear()
         self.outbox_bytes = 0

@@ -22,10 +22,6 @@ _BIG_ENDIAN_HOST = sys.byteorder == "big"
 
 def ids_from_wire(value: Any, ids: IdsFormat) -> Ids:
     """A `tokens` value of a reply (u32 bin or list of int) as the caller asked for it."""
-    if type(value) is bytes and not _BIG_ENDIAN_HOST and ids == "array":  # the common case, in one copy
-        out = array("I")
-        out.frombytes(value)
-        return out
     if isinstance(value, bytes):
         out = array("I")
         out.frombytes(value)
@@ -157,23 +153,17 @@ def _builder(cls: type[C]) -> Callable[..., C]:
     """A constructor for a frozen slots dataclass, every field positional, that builds the very
     instance `cls(...)` does (none of these has a __post_init__) at a third of the cost: a frozen
     `__init__` sets each field through `object.__setattr__`, which costs more than the rest of
-    reading a reply. The fields are set on a twin class with the same slots and plain stores,
-    then the instance becomes a `cls` (same layout, so Python allows the `__class__` change)."""
+    reading a reply. A twin class with the same slots sets them with plain stores, then turns the
+    instance into a `cls` (the same layout, so Python allows the `__class__` change)."""
     names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
     assert tuple(names) == cls.__slots__, cls  # type: ignore[attr-defined]
-    env: dict[str, Any] = {}
     stores = "".join(f"        self.{n} = {n}\n" for n in names)
-    exec(f"class Twin:\n    __slots__ = {tuple(names)!r}\n    def __init__(self, {', '.join(names)}):\n{stores}", env)
+    env: dict[str, Any] = {"_cls": cls}
+    exec(f"class Twin:\n    __slots__ = {tuple(names)!r}\n    def __init__(self, {', '.join(names)}):\n"
+         f"{stores}        self.__class__ = _cls\n", env)
     twin = env["Twin"]
     twin.__qualname__ = twin.__name__ = f"_{cls.__name__}Twin"
-
-    def build(*values: Any) -> C:
-        obj = twin(*values)
-        obj.__class__ = cls
-        return obj  # type: ignore[no-any-return]
-
-    build.__qualname__ = build.__name__ = f"build_{cls.__name__}"
-    return build
+    return twin  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +180,10 @@ _CACHE_INFOS_MAX = 4096
 
 def _cache(reply: dict) -> CacheInfo | None:
     c = reply.get("cache")
+    return None if c is None else _cache_info(c)
+
+
+def _cache_info(c: Any) -> CacheInfo | None:
     if not isinstance(c, dict):
         return None
     key = (c["l0"], c["l1_reused_tokens"])
@@ -327,9 +321,21 @@ _build_chat_tokens = _builder(ChatTokens)
 _build_text = _builder(Text)
 
 
+_EMPTY_U32 = array("I")
+
+
 def tokens(reply: dict, ids: IdsFormat) -> Tokens:
-    offsets, hashes = reply.get("offsets"), reply.get("block_hashes")
-    return _build_tokens(ids_from_wire(reply["tokens"], ids), reply["count"], reply.get("worker", ""), _cache(reply),
+    # The hot path of every tokenize call, written out: a u32 bin becomes an array('I') in one copy.
+    value = reply["tokens"]
+    got: Ids
+    if type(value) is bytes and ids == "array" and not _BIG_ENDIAN_HOST:
+        u32 = _EMPTY_U32[:]
+        u32.frombytes(value)
+        got = u32
+    else:
+        got = ids_from_wire(value, ids)
+    cache, offsets, hashes = reply.get("cache"), reply.get("offsets"), reply.get("block_hashes")
+    return _build_tokens(got, reply["count"], reply.get("worker", ""), None if cache is None else _cache_info(cache),
                          None if offsets is None else _offsets(offsets), reply.get("token_strs"),
                          reply.get("truncated"), None if hashes is None else _hashes(hashes))
 
