@@ -31,7 +31,7 @@ import itertools
 import math
 import random
 from threading import get_ident
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import msgpack
 import zmq
@@ -194,7 +194,7 @@ class Core:
         sock = link.sock
         if sock is not None and link.outbox:
             self._flush(link)
-            if sock.get(_EVENTS) & _POLLIN:
+            if cast(int, sock.get(_EVENTS)) & _POLLIN:
                 self._drain(link)
 
     def _drain(self, link: Link) -> None:
@@ -417,12 +417,13 @@ class Core:
     def _open_link(self, link: Link) -> None:
         link.open(self._context, self._curve)  # type: ignore[arg-type]
         sock, loop = link.sock, self._loop
-        fd = sock.getsockopt(zmq.FD)  # type: ignore[union-attr]
+        assert sock is not None and loop is not None  # open() made the socket; the loop is running
+        fd = cast(int, sock.getsockopt(zmq.FD))
         try:
-            loop.add_reader(fd, self._drain, link)  # type: ignore[union-attr]
+            loop.add_reader(fd, self._drain, link)
             link.fd = fd
         except NotImplementedError:  # a loop that cannot watch descriptors (Windows' proactor)
-            link.poller = loop.create_task(self._poll(link, sock))  # type: ignore[union-attr,arg-type]
+            link.poller = loop.create_task(self._poll(link, sock))
 
     async def _poll(self, link: Link, sock: zmq.Socket) -> None:
         """Where the loop has no `add_reader`: wait with `zmq.asyncio` (its own selector thread), drain as the reader would."""
@@ -430,7 +431,7 @@ class Core:
 
         watched = zmq.asyncio.Socket.shadow(sock.underlying)
         while True:
-            await watched.poll(None, zmq.POLLIN)
+            await watched.poll(None, zmq.POLLIN)  # type: ignore[call-arg]  # pyzmq's stub omits the flags
             self._drain(link)
 
     def status(self) -> list[EndpointStatus]:

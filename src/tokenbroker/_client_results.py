@@ -67,7 +67,7 @@ class Offsets:
             raise IndexError("offset index out of range")
         return self.flat[2 * i], self.flat[2 * i + 1]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self):
         it = iter(self.flat)
         return zip(it, it)
 
@@ -113,7 +113,7 @@ class BlockHashes:
             raise IndexError("block index out of range")
         return self.raw[self.DIGEST * i:self.DIGEST * (i + 1)]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self):
         return (self.raw[i:i + self.DIGEST] for i in range(0, len(self.raw), self.DIGEST))
 
     def ints(self) -> list[int]:
@@ -163,7 +163,7 @@ def _builder(cls: type[C]) -> Callable[..., C]:
          f"{stores}        self.__class__ = _cls\n", env)
     twin = env["Twin"]
     twin.__qualname__ = twin.__name__ = f"_{cls.__name__}Twin"
-    return twin  # type: ignore[no-any-return]
+    return twin
 
 
 @dataclass(frozen=True, slots=True)
