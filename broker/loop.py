@@ -86,7 +86,7 @@ class Broker:
         self.placement = Placement(config.models.max_models)
         caches = config.models.cache
         self.dispatcher = Dispatcher(self.router, spill_wait=config.spill_wait_ms / 1000,
-                                     worker_bytes=config.worker_max_bytes, holders=self.placement.holders,
+                                     worker_bytes=config.worker_max_bytes, eligible=self.placement.eligible,
                                      long_off_loop=not (caches.l0_enabled or caches.l1_enabled))
         self.removing: set[str] = set()  # models removed whose queued jobs are still being served
         self.replan = True  # placement has something new to look at
@@ -472,8 +472,8 @@ class Broker:
             else:
                 self.catalog.adopt(model, info, fingerprint)
                 own.append(model)
-        self.placement.add_worker(w.wid, ours, now, own=own)
-        self.dispatcher.add_worker(w.wid, w.ready.capacity, names=w.ready.names, globs=w.ready.maps)
+        self.placement.add_worker(w.wid, ours, now, own=own, names=w.ready.names, globs=w.ready.maps)
+        self.dispatcher.add_worker(w.wid, w.ready.capacity)
         self.metrics.worker_joined(w.name)
         self.replan = True
 
