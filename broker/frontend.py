@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
-from typing import Container
+from typing import Any, Callable, Container, cast
 
 import msgpack
 import zmq
@@ -186,7 +186,7 @@ _RCVMORE = int(zmq.RCVMORE)  # a plain int: `sock.rcvmore` costs an enum lookup 
 REPLY_FRAME_BYTES = 4 * 1024 * 1024  # replies coalesced in one frame, past its first
 _PACKER = msgpack.Packer()
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-_raw_send = zmq.backend.Socket.send  # the Cython method under pyzmq's Python `Socket.send`
+_raw_send: Callable[..., Any] = zmq.backend.Socket.send  # the Cython method under pyzmq's Python `Socket.send`
 _COPY_THRESHOLD = zmq.COPY_THRESHOLD
 _MAPS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 _ARRAYS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
@@ -245,7 +245,7 @@ class Peer:
     def of(cls, frame: zmq.Frame) -> "Peer":
         def prop(name: str) -> str | None:
             try:
-                return frame.get(name)
+                return cast(str, frame.get(name))  # User-Id and Peer-Address are str
             except zmq.ZMQError:  # no such property on this connection (no ZAP user id without CURVE)
                 return None
 
@@ -262,7 +262,7 @@ class Frontend:
         # when CURVE is on or the frontend is reachable from other hosts; it costs a Frame per message.
         self.tell_peer = tell_peer
         self.arrays: set[bytes] = set()  # connections that sent an array and still hold requests
-        self.outbox: dict[Envelope, list[bytes]] = {}  # their replies of this turn, sent by flush()
+        self.outbox: dict[Envelope, list[bytes | memoryview]] = {}  # their replies of this turn, sent by flush()
 
     def receive(self) -> list[Incoming | None] | None:
         """One message: its requests checked (one, or each element of an array), None for each one

@@ -15,7 +15,7 @@ import logging
 import signal
 import socket
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import zmq
 
@@ -146,7 +146,7 @@ class Broker:
         """One turn: wait for input, drain both sockets, run the timers, send each connection the
         turn's replies. (zmq_poll called directly: zmq.Poller wraps it in Python.)"""
         front, back, wake = self.frontend.sock, self.backend.sock, self.wakeup.fileno()
-        items = [(back, zmq.POLLIN), (wake, zmq.POLLIN), (front, zmq.POLLIN)]
+        items: list[tuple[Any, int]] = [(back, zmq.POLLIN), (wake, zmq.POLLIN), (front, zmq.POLLIN)]
         poll = zmq.zmq_poll
         gc.freeze()  # what start-up built is never garbage: the collector stops walking it
         gc.set_threshold(10_000, 20, 20)  # a turn allocates thousands of short-lived objects, none cyclic
@@ -274,7 +274,7 @@ class Broker:
     def _release(self, job: Job) -> None:
         self.jobs.release(job)
 
-    def _answer(self, job: Job, payload: bytes, outcome: str, now: float) -> None:
+    def _answer(self, job: Job, payload: "bytes | memoryview", outcome: str, now: float) -> None:
         job.answered = True
         self.frontend.reply(job.envelope, payload)
         self.metrics.request_done(job.op, outcome, now - job.received)
@@ -424,7 +424,7 @@ class Broker:
         peek, envelope = incoming.peek, incoming.envelope
         peer = incoming.peer
         try:
-            if peek.op in ADMIN_OPS and not self.is_admin(peer and peer.user_id, peer and peer.address):
+            if peek.op in ADMIN_OPS and not self.is_admin(peer.user_id if peer else None, peer.address if peer else None):
                 raise ProtocolError("forbidden", f"op {peek.op!r} is an admin op: use it from a loopback connection, "
                                     "or under CURVE with a key in the broker's --curve-admins")
             if peek.op == "models":
@@ -530,8 +530,8 @@ class Broker:
             unloads = self.placement.unload_everywhere(name, self.dispatcher.holds_model)
             if unloads is None:
                 continue  # a worker still holds a job of it
-            for action in unloads:
-                self.backend.send_unload(action.wid, action.model)
+            for unload in unloads:
+                self.backend.send_unload(unload.wid, unload.model)
             self.catalog.drop(name)
             self.backend.forget_model(name)
             self.removing.discard(name)
