@@ -1,7 +1,9 @@
 """The broker loop: poll, then backend, frontend, tick. Readable in one screen per verb.
 
-Jobs flow client -> frontend -> dispatcher (queue, placement) -> backend -> worker, and the
-worker's reply bytes go back untouched. Timers (heartbeats, deadlines, respawns, spills) run only
+Jobs flow client -> frontend -> dispatcher (the queue, which worker takes each job) -> backend
+-> worker, and the worker's reply bytes go back untouched; which workers may serve a job's model
+is placement's answer (broker/placement.py), and the broker's own refusals are ProtocolErrors
+answered through `Frontend.fail`. Timers (heartbeats, deadlines, respawns, spills) run only
 in `tick`, with one `now` read per turn; the poll sleeps until a socket is readable or the next
 timer that can change something, so a loaded broker with no free worker does not spin. The loop
 never tokenizes and never decodes a reply.
@@ -280,6 +282,7 @@ class Broker:
         self.metrics.request_done(job.op, outcome, now - job.received)
 
     def _fail(self, job: Job, error: ProtocolError, now: float) -> None:
+        """Answer a held job with `error` (through Frontend.fail), counted by its code."""
         job.answered = True
         self.frontend.fail(job.envelope, job.raw_id, error)
         self.metrics.request_done(job.op, error.code, now - job.received)

@@ -356,6 +356,7 @@ def reply(raw_request_id: bytes, fields: dict) -> bytes:
 
 
 def error_reply(raw_request_id: bytes, code: str, message: str) -> bytes:
+    """The error reply map; built in one place per side (the broker's Frontend.fail, workers/ops.py)."""
     return reply(raw_request_id, {"ok": False, "error": {"code": code, "message": message}})
 
 
