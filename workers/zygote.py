@@ -104,13 +104,30 @@ class Zygote:
         mode = self.registry.backend_mode
         if mode == "reference":
             return
-        for tok in {id(m.tokenizer): m.tokenizer for m in (*self.registry.models, *self.registry.dormant.values())}.values():
-            if tok.fast is None and tok not in self.registry.engine_refused:
-                engine, why = speed_up(tok, mode)  # logs what it chose and why
-                if engine is not None:
-                    serve_fast(self.registry, tok, engine)
-                else:  # the workers inherit the verdict: none of them builds it again
-                    self.registry.engine_refused[tok] = why or "refused"
+        # Built and probed on a thread of its own, joined before the fork: fastokens keeps, per
+        # thread, a word cache for each of the last few models that thread encoded with (16 MiB for
+        # a ~100k vocabulary, 32 MiB for o200k). Probed here on the main thread, the template kept
+        # ~100 MiB of them that no worker reads (a worker's main thread builds its own at its first
+        # encodes, private whatever the template holds); the thread's end frees them.
+        failure: list[BaseException] = []
+
+        def build() -> None:
+            try:
+                for tok in {id(m.tokenizer): m.tokenizer for m in (*self.registry.models, *self.registry.dormant.values())}.values():
+                    if tok.fast is None and tok not in self.registry.engine_refused:
+                        engine, why = speed_up(tok, mode)  # logs what it chose and why
+                        if engine is not None:
+                            serve_fast(self.registry, tok, engine)
+                        else:  # the workers inherit the verdict: none of them builds it again
+                            self.registry.engine_refused[tok] = why or "refused"
+            except BaseException as e:  # raised in the template, as before
+                failure.append(e)
+
+        builder = threading.Thread(target=build, name="tokenbroker-speed-up")
+        builder.start()
+        builder.join()
+        if failure:
+            raise failure[0]
 
     # --- the loop ------------------------------------------------------------------------
 
