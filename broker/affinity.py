@@ -108,9 +108,15 @@ def route_key(peek: Peek) -> RouteKey | None:
     if peek.affinity is not None:
         return RouteKey(key=_digest(b"affinity\x00" + peek.affinity.encode("utf-8", "surrogatepass")), blocks=())
     model = (peek.model or "").encode("utf-8", "surrogatepass")
-    raw = peek.raw
+    raw, span = peek.raw, peek.spans.get("text")
+    if type(raw) is memoryview:  # a large payload peeked in place (only tokenize and keyless ops are):
+        if span is None:         # what the key reads, the head of its text, is copied, not the frame
+            return _fallback(b"text", model)
+        raw = raw[span[0]:min(span[1], span[0] + _STR_HEADER_BYTES + MAX_HASHED_BYTES)].tobytes()
+        span = (0, len(raw))
+    assert isinstance(raw, bytes)
     if peek.op == "tokenize":
-        return _text_key(b"text", model, raw, peek.spans.get("text"))
+        return _text_key(b"text", model, raw, span)
     if peek.op == "chat":
         extra = [_capped(raw, peek.spans.get("tools")), _capped(raw, peek.spans.get("chat_template_kwargs"))]
         return _messages_key(b"chat", model, extra, raw, peek.spans.get("messages"))
@@ -173,6 +179,7 @@ def _items(raw: bytes, span: tuple[int, int], limit: int) -> Iterator[tuple[int,
 
 
 _ARRAYS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
+_STR_HEADER_BYTES = 5  # the longest str or bin header (str32, bin32)
 _MAPS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 
 

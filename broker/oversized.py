@@ -39,7 +39,7 @@ def _uint(view: memoryview, at: int, size: int) -> int:
     return int.from_bytes(view[at:at + size], "big")
 
 
-def _header(view: memoryview, at: int) -> tuple[int, int]:
+def value_header(view: memoryview, at: int) -> tuple[int, int]:
     """(where the value at `at` ends, how many values it contains that follow it)."""
     b = view[at]
     if b <= 0x7F or b >= 0xE0:
@@ -68,7 +68,7 @@ def _skip(view: memoryview, at: int, budget: list[int]) -> int:
         budget[0] -= 1
         if budget[0] < 0:
             raise ValueError("too many values")
-        at, inner = _header(view, at)
+        at, inner = value_header(view, at)
         pending += inner - 1
     if at > len(view):
         raise IndexError
@@ -78,7 +78,7 @@ def _skip(view: memoryview, at: int, budget: list[int]) -> int:
 def id_in_place(view: memoryview) -> bytes:
     """The raw MessagePack bytes of the payload map's top-level `id`, or nil when it cannot be read."""
     try:
-        end, fields = _header(view, 0)
+        end, fields = value_header(view, 0)
         if not (0x80 <= view[0] <= 0x8F or view[0] in (0xDE, 0xDF)):
             return NIL
         budget = [MAX_STEPS]

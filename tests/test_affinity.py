@@ -243,3 +243,54 @@ def test_malformed_inputs_never_raise_and_still_get_a_key(op: str, value: Any) -
 def test_any_extension_keeps_the_full_blocks_of_its_prefix(prefix: str, suffix: str) -> None:
     shared = full_blocks(prefix.encode())
     assert tokenize_key(prefix + suffix).blocks[:shared] == tokenize_key(prefix).blocks[:shared]
+
+
+# --- large payloads, peeked in place over ZeroMQ's buffer (broker/frontend.py peek_in_place) -------
+
+
+@pytest.mark.parametrize("body", [
+    {"id": "big", "op": "tokenize", "text": "Hello, world! " * 100_000, "model": "m", "tokens_format": "u32"},
+    {"op": "tokenize", "text": "é" * 600_000, "id": 7, "deadline_ms": 5000},
+    {"op": "tokenize", "text": "x" * 2_000_000, "affinity": "conv-1"},
+    {"op": "detokenize", "ids": b"\x01\x00\x00\x00" * 300_000, "id": b"\x00bin"},
+    {"op": "tokenize", "text": "a" * 1_100_000, "id": None, "unknown_field": 5},
+])
+def test_a_large_payload_peeked_in_place_equals_its_copy_and_routes_alike(body: dict[str, Any]) -> None:
+    from tokenbroker.broker.frontend import LARGE_PAYLOAD, peek_in_place
+
+    raw = pack(body)
+    assert len(raw) >= LARGE_PAYLOAD
+    view = memoryview(raw)
+    in_place = peek_in_place(view)
+    assert in_place is not None
+    copied = peek_request(raw)
+    assert (in_place.op, in_place.raw_id, in_place.model, in_place.deadline_ms, in_place.affinity, in_place.spans) == \
+           (copied.op, copied.raw_id, copied.model, copied.deadline_ms, copied.affinity, copied.spans)
+    assert in_place.body.obj is raw  # the frame itself goes on to the worker, not a copy
+    assert route_key(in_place) == route_key(copied)
+
+
+@pytest.mark.parametrize("body", [
+    {"op": "tokenize", "text": ["a" * 600_000, "b" * 600_000]},  # a list: walked over a copy, in C
+    {"op": "chat", "messages": [{"role": "user", "content": "x" * 1_200_000}]},  # chat: routing reads more
+    {"op": "count", "body": "y" * 1_200_000},
+    {"op": "tokenize", "text": "z" * 1_200_000, "op2": 1, 3: "int key"},  # an error to name
+    {"op": "frobnicate", "text": "z" * 1_200_000, "id": 1},  # unknown op: answered by the copying path
+])
+def test_a_large_payload_the_in_place_peek_leaves_is_read_from_a_copy_as_before(body: dict[Any, Any]) -> None:
+    from tokenbroker.broker.frontend import peek_in_place
+    from tokenbroker.common.errors import ProtocolError
+
+    raw = pack(body)
+    assert peek_in_place(memoryview(raw)) is None
+    try:
+        want: Any = peek_request(raw)
+        want = (want.op, want.raw_id, want.spans, route_key(want))
+    except ProtocolError as e:
+        want = (e.code, e.message, e.raw_id)
+    try:
+        got: Any = peek_request(memoryview(raw))  # as Frontend.receive hands it over
+        got = (got.op, got.raw_id, got.spans, route_key(got))
+    except ProtocolError as e:
+        got = (e.code, e.message, e.raw_id)
+    assert got == want
