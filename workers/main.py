@@ -79,6 +79,30 @@ PSS_EVERY_S = 5.0  # PSS is read at most this often (a page-table walk), RSS wit
 LANE_DRAIN_S = 11.0  # leaving, a worker waits this long for its renders and encodes (a render's budget is 10 s)
 
 
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+_raw_send = zmq.backend.Socket.send  # the Cython methods under pyzmq's Python wrappers: send_multipart
+_raw_recv = zmq.backend.Socket.recv  # and recv_multipart cost 10-18 us a message, these 1-2 us a frame
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
+
+
+def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
+    """sock.send_multipart(frames), frame by frame through the Cython send with int flags; a frame
+    of ZeroMQ's copy threshold or more goes without a copy (bytes: nothing can change it)."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        _raw_send(sock, frame, _SNDMORE if i < last else 0, len(frame) < _COPY_THRESHOLD)
+
+
+def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
+    """sock.recv_multipart(zmq.NOBLOCK, copy=False) through the Cython recv: zmq.Again when nothing waits."""
+    frame = _raw_recv(sock, _NOBLOCK, False)
+    frames = [frame]
+    while frame.more:  # the rest of a multipart message is there once its first frame is
+        frame = _raw_recv(sock, _NOBLOCK, False)
+        frames.append(frame)
+    return frames
+
+
 def build_ready(config: WorkerConfig, name: str, incarnation: str, registry: ModelRegistry) -> Ready:
     """READY as of now: the models loaded at this moment, with their names, fingerprints and infos."""
     return Ready(
@@ -166,7 +190,7 @@ class Worker:
         """Send with the lock held; a message that cannot go out in time is dropped (the broker
         retries what it never hears of, once it gives up on this worker)."""
         try:
-            self.sock.send_multipart(frames)
+            send_frames(self.sock, frames)
         except zmq.Again:
             log.warning("could not send to the broker within %.1fs: a message was dropped", HEARTBEAT_INTERVAL_S)
 
@@ -246,7 +270,7 @@ class Worker:
         now = time.monotonic()
         while len(jobs) < MAX_ROUND_JOBS:
             try:
-                msg = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                msg = recv_frames(self.sock)
             except zmq.Again:
                 break
             # A large frame stays ZeroMQ's (a view): copying 30 MB would hold the GIL, and so every

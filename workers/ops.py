@@ -13,7 +13,7 @@ import time
 from array import array
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import msgpack
 
@@ -32,7 +32,7 @@ from tokenbroker.common.protocol import (
     type_name,
 )
 
-from .budget import ReplyBudget
+from .budget import ITEM_OVERHEAD, ReplyBudget
 from .cache import CacheOutcome
 from .background import Done, Lane
 from .count import count_request
@@ -96,6 +96,7 @@ class Ops:
         self.limits = registry.limits
         self.deadline = float("inf")  # of the job being served (time.monotonic()); batches stop past it
         self.payload_bytes = 0  # of the job being served: what detokenize_stream's free reply bound reads
+        self._tails: dict[str, bytes] = {}  # _packed_replies' fixed reply ends, by the `cache` map's l0
         caches = registry.cache_config
         self.tokenin = Tokenin(CHAIN_MEMO_BYTES if caches.l0_enabled or caches.l1_enabled else 0)
         # Set by the worker: chats render, and long texts encode, off its round loop (workers/background.py).
@@ -159,8 +160,8 @@ class Ops:
 
     def _encode_group(self, model: Any, jobs: list[PendingJob], members: list[tuple[int, Request]],
                       add_special: bool, out: list) -> None:
-        """One batch encode for the `u32` members, built from the engine's packed buffer (no Python
-        int per id where the engine gives one), and one for the rest."""
+        """One batch encode for the `u32` members, their replies packed straight from the engine's
+        buffer (`_packed_replies`), and one for the rest."""
         packed = [m for m in members if m[1].tokens_format == "u32"]
         listed = [m for m in members if m[1].tokens_format != "u32"] if packed else members
         tok = model.tokenizer
@@ -170,21 +171,50 @@ class Ops:
                 continue
             texts = [r.payload["text"] for _, r in part]
             try:
-                results = (tok.encode_u32 if u32 else tok.encode_many)(texts, add_special_tokens=add_special)
+                if u32:
+                    flat, ends = tok.encode_flat(texts, add_special_tokens=add_special)
+                else:
+                    results = tok.encode_many(texts, add_special_tokens=add_special)
             except Exception:  # one text the batch call refuses: serve each alone, so only it fails
                 for i, request in part:
                     reply, outcome = self._serve(request, len(jobs[i].payload))
                     out[i] = (jobs[i].job_id, outcome, reply)
                 continue
+            if u32:
+                self._packed_replies(jobs, part, flat, ends, off, out)
+                continue
             for (i, request), tokens in zip(part, results):
-                count = len(tokens) // 4 if u32 else len(tokens)
-                try:
-                    ReplyBudget(self.limits.max_reply_bytes).charge_count(count, tokens, request.tokens_format)
-                except ProtocolError as e:
-                    out[i] = (jobs[i].job_id, e.code, error_reply(request.raw_id, e.code, e.message))
-                    continue
-                fields = {"tokens": tokens, "count": count, "cache": off, "worker": self.worker_name}
-                out[i] = (jobs[i].job_id, *self._capped(request.raw_id, ok_reply(request.raw_id, fields), "ok"))
+                out[i] = (jobs[i].job_id, *self._tokens_reply(request, tokens, len(tokens), off))
+
+    def _packed_replies(self, jobs: list[PendingJob], part: list[tuple[int, Request]], flat: memoryview,
+                        ends: Sequence[int], off: dict, out: list) -> None:
+        """The u32 replies of one batch encode, each one join of fixed bytes and its slice of the
+        engine's buffer: the bytes `ok_reply` gives for the same fields (a test checks), at about a
+        microsecond a reply. A reply that may not fit --max-reply-bytes is built by `_tokens_reply`,
+        which charges the budget and names the error."""
+        limit = self.limits.max_reply_bytes
+        tail = self._tails.get(off["l0"])
+        if tail is None:  # the reply's last two fields, the same for every reply of a cache-less model
+            tail = self._tails[off["l0"]] = msgpack.packb({"cache": off, "worker": self.worker_name}, use_bin_type=True)[1:]
+        join = b"".join
+        for k, (i, request) in enumerate(part):
+            start, end = 4 * ends[k], 4 * ends[k + 1]
+            size = end - start
+            reply = join((_OK_TOKENS_HEAD, request.raw_id, _OK_TOKENS_BIN, _bin_head(size), flat[start:end],
+                          _COUNT_KEY, _uint(size >> 2), tail))
+            if size + ITEM_OVERHEAD > limit or len(reply) > limit:
+                out[i] = (jobs[i].job_id, *self._tokens_reply(request, bytes(flat[start:end]), size >> 2, off))
+            else:
+                out[i] = (jobs[i].job_id, "ok", reply)
+
+    def _tokens_reply(self, request: Request, tokens: Any, count: int, off: dict) -> tuple[str, bytes]:
+        """(outcome, reply) of a batch-encoded tokenize: its ids charged to the reply budget first."""
+        try:
+            ReplyBudget(self.limits.max_reply_bytes).charge_count(count, tokens, request.tokens_format)
+        except ProtocolError as e:
+            return e.code, error_reply(request.raw_id, e.code, e.message)
+        fields = {"tokens": tokens, "count": count, "cache": off, "worker": self.worker_name}
+        return self._capped(request.raw_id, ok_reply(request.raw_id, fields), "ok")
 
     def _capped(self, request_id: bytes, reply: bytes, outcome: str) -> tuple[str, bytes]:
         """(outcome, reply), or too_large when the reply is over --max-reply-bytes."""
@@ -539,6 +569,30 @@ def text_span(payload: bytes | memoryview) -> tuple[int, int, int] | None:
 
 def _bin_header(size: int) -> bytes:
     return b"\xc6" + size.to_bytes(4, "big")
+
+
+# The fixed bytes of a tokenize reply as ok_reply packs it: {"id", "ok": true, "tokens", "count", "cache", "worker"}.
+_OK_TOKENS_HEAD = b"\x86\xa2id"
+_OK_TOKENS_BIN = b"\xa2ok\xc3\xa6tokens"
+_COUNT_KEY = b"\xa5count"
+
+
+def _bin_head(size: int) -> bytes:
+    """A bin's header in its shortest form, as msgpack packs it."""
+    if size < 256:
+        return b"\xc4" + size.to_bytes(1, "big")
+    return b"\xc5" + size.to_bytes(2, "big") if size < 65536 else b"\xc6" + size.to_bytes(4, "big")
+
+
+def _uint(n: int) -> bytes:
+    """A non-negative int in its shortest MessagePack form (msgpack.packb(n))."""
+    if n < 128:
+        return n.to_bytes(1, "big")
+    if n < 256:
+        return b"\xcc" + n.to_bytes(1, "big")
+    if n < 65536:
+        return b"\xcd" + n.to_bytes(2, "big")
+    return b"\xce" + n.to_bytes(4, "big") if n < 1 << 32 else msgpack.packb(n)
 
 
 def _list_from_u32(packed: bytes, budget: ReplyBudget) -> list[bytes]:

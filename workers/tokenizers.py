@@ -21,7 +21,7 @@ import sys
 from array import array
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, Sequence
 
 from tokenbroker.common.config import EMBEDDED_DEFAULT
 from tokenbroker.common.errors import BootError
@@ -66,6 +66,8 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
 
     def encode_u32(self, texts: list[str], *, add_special_tokens: bool = True) -> list[bytes]: ...
+
+    def encode_flat(self, texts: list[str], *, add_special_tokens: bool = True) -> tuple[memoryview, Sequence[int]]: ...
 
     @property
     def backend(self) -> str: ...
@@ -119,6 +121,18 @@ class _Wrapped:
         if fast is not None:
             return fast.encode_u32(texts, add_special_tokens)
         return [ids_to_u32(ids) for ids in self.encode_many(texts, add_special_tokens=add_special_tokens)]
+
+    def encode_flat(self, texts: list[str], *, add_special_tokens: bool = True) -> tuple[memoryview, Sequence[int]]:
+        """All texts' ids as one little-endian uint32 byte view and each text's end in it, in ids
+        (`ends[i]:ends[i + 1]`): the fast engine's own buffer when it serves (FastEngine.encode_flat)."""
+        fast = self.fast
+        if fast is not None:
+            return fast.encode_flat(texts, add_special_tokens)
+        parts = self.encode_u32(texts, add_special_tokens=add_special_tokens)
+        ends = [0]
+        for part in parts:
+            ends.append(ends[-1] + len(part) // 4)
+        return memoryview(b"".join(parts)), ends
 
 
 @dataclass(eq=False, repr=False)
