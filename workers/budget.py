@@ -47,7 +47,7 @@ class DecodedLengths:
 
     def __init__(self, tokenizer: Any) -> None:
         self.vocab_size = tokenizer.vocab_size
-        self.unassigned = getattr(tokenizer, "unassigned", frozenset())
+        self.unassigned: frozenset[int] = getattr(tokenizer, "unassigned", frozenset())
         self.table = list(_lengths(tokenizer))  # a list: its items are cached small ints, read 4x faster than an array's
         self.longest = max(self.table, default=0)
 
@@ -119,7 +119,7 @@ class ReplyBudget:
         self.limit = limit
         self.exact_used = 0
         self.loose_used = 0
-        self._pending: list[Callable[[], int]] = []  # exact sizes of the parts charged loosely
+        self._pending: list[Callable[[], int]] | None = []  # exact sizes of the parts charged loosely
 
     def charge(self, loose: int, exact: Callable[[], int], what: str) -> None:
         if self._pending is not None and self.exact_used + self.loose_used + loose <= self.limit:

@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Any, cast
 
 import zmq
 
@@ -80,8 +81,8 @@ LANE_DRAIN_S = 11.0  # leaving, a worker waits this long for its renders and enc
 
 
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-_raw_send = zmq.backend.Socket.send  # the Cython methods under pyzmq's Python wrappers: send_multipart
-_raw_recv = zmq.backend.Socket.recv  # and recv_multipart cost 10-18 us a message, these 1-2 us a frame
+_raw_send: Any = zmq.backend.Socket.send  # the Cython methods under pyzmq's Python wrappers: send_multipart
+_raw_recv: Any = zmq.backend.Socket.recv  # and recv_multipart cost 10-18 us a message, these 1-2 us a frame
 _COPY_THRESHOLD = zmq.COPY_THRESHOLD
 
 
@@ -190,7 +191,7 @@ class Worker:
         """Send with the lock held; a message that cannot go out in time is dropped (the broker
         retries what it never hears of, once it gives up on this worker)."""
         try:
-            send_frames(self.sock, frames)
+            send_frames(cast(zmq.Socket, self.sock), frames)
         except zmq.Again:
             log.warning("could not send to the broker within %.1fs: a message was dropped", HEARTBEAT_INTERVAL_S)
 
@@ -219,7 +220,8 @@ class Worker:
                 drain_s = 2 * HEARTBEAT_INTERVAL_S + (LANE_DRAIN_S if busy else 0.0)
                 if bye_at is not None and ((drained and not busy) or time.monotonic() - bye_at > drain_s):
                     break
-                events = dict(self.poller.poll(max(0.0, self.next_beat - time.monotonic()) * 1000))
+                timeout_ms = int(max(0.0, self.next_beat - time.monotonic()) * 1000)  # as Poller.poll rounds a float
+                events = dict(cast(zmq.Poller, self.poller).poll(timeout_ms))
                 if self.sock in events:
                     liveness, backoff, heard = HEARTBEAT_LIVENESS, RECONNECT_INIT_S, True
                     drained |= self._take(jobs, bye_at is not None)
@@ -270,7 +272,7 @@ class Worker:
         now = time.monotonic()
         while len(jobs) < MAX_ROUND_JOBS:
             try:
-                msg = recv_frames(self.sock)
+                msg = recv_frames(cast(zmq.Socket, self.sock))
             except zmq.Again:
                 break
             # A large frame stays ZeroMQ's (a view): copying 30 MB would hold the GIL, and so every
@@ -280,7 +282,7 @@ class Worker:
                 body = [f.buffer if len(f) > LARGE_FRAME else f.bytes for f in msg[1:]]
                 try:
                     jobs.extend(PendingJob(job_id, budget, now, payload if len(payload) > LARGE_FRAME else bytes(payload))
-                                for job_id, budget, payload in unpack_jobs(body))
+                                for job_id, budget, payload in unpack_jobs(cast("list[bytes]", body)))
                 except ValueError as e:
                     log.warning("ignoring a malformed job batch: %s", e)
                 continue
