@@ -79,7 +79,7 @@ class Joined:
 @dataclass(frozen=True)
 class Results:
     wid: bytes
-    results: list[tuple[int, str, bytes]]  # (job id, outcome, reply payload; b"" when skipped)
+    results: list[tuple[int, str, memoryview]]  # (job id, outcome, reply payload: a view of the frame, empty when skipped)
 
 
 @dataclass(frozen=True)
@@ -170,12 +170,12 @@ class Backend:
         if worker is None and kind in (W_RESULTS, W_HEARTBEAT):
             self._send(wid, B_RESET)  # a worker we forgot (it was silent, stopped): it says READY again now
             return []
-        if kind == W_RESULTS:
+        if kind == W_RESULTS and worker is not None:  # (None: answered B_RESET above)
             try:
                 return [Results(wid, unpack_results(body))]
             except ValueError as e:
                 return self._drop("results", "worker %s sent a malformed RESULTS: %s", worker.name, e)
-        if kind == W_HEARTBEAT:
+        if kind == W_HEARTBEAT and worker is not None:
             if len(body) != 1 or len(body[0]) > MAX_REPORT_BYTES:
                 return self._drop("heartbeat", "worker %s sent a malformed HEARTBEAT (%d frames)", worker.name, len(body))
             try:

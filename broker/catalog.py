@@ -49,10 +49,6 @@ class Entry:
         return self.origin != WORKER and self.state != FAILED and not self.removing
 
 
-class CatalogError(ValueError):
-    """An add_model the catalog refuses; the message names the field."""
-
-
 class Catalog:
     def __init__(self, config: ModelConfig) -> None:
         self.entries: dict[str, Entry] = {}
@@ -93,21 +89,21 @@ class Catalog:
         """add_model: a new entry in state loading, or the entry already there with that source.
 
         A failed entry added again with the same source is retried. A name or alias taken by
-        another model, or the same name with another source, is a CatalogError.
+        another model, or the same name with another source, is a bad_request naming the field.
         """
         existing = self.entries.get(spec.name)
         if existing is not None and not existing.removing and existing.origin != WORKER:
             if existing.spec.source != spec.source:
-                raise CatalogError(f"field 'name': model {spec.name!r} is already in the catalog with source "
-                                   f"{existing.spec.source!r}; remove it first to change its source")
+                raise ProtocolError("bad_request", f"field 'name': model {spec.name!r} is already in the catalog "
+                                    f"with source {existing.spec.source!r}; remove it first to change its source")
             if existing.state == FAILED:
                 existing.state, existing.error = LOADING, ""
             return existing
         for name in (spec.name, *spec.aliases):
             owner = self._names.get(name)
             if owner is not None and owner != spec.name:
-                raise CatalogError(f"field {'name' if name == spec.name else 'aliases'!r}: {name!r} already names "
-                                   f"model {owner!r}")
+                raise ProtocolError("bad_request", f"field {'name' if name == spec.name else 'aliases'!r}: "
+                                    f"{name!r} already names model {owner!r}")
         if existing is not None:  # a removed (or a worker's own) entry of that name gives way
             self.drop(spec.name)
         entry = Entry(spec, ADMIN)

@@ -23,9 +23,9 @@ is the exception when caches are off (`long_off_loop`): a worker encodes it off 
 count against the worker's bytes; instead a worker holds one such job at a time, and the small
 jobs keep flowing to it.
 
-A job that names a model goes only to the workers holding it: a catalog model's holders come from
-broker/placement.py (none yet: it waits for a load, within its deadline), another name's from what
-workers said in READY (broker/models.py). A job that finds them all full waits without holding up
+A job that names a model goes only to the workers that serve it, as broker/placement.py's
+`Placement.eligible` says (the one owner of that answer): a catalog model's holders (none yet: it
+waits for a load, within its deadline), another name's by what workers said in READY. A job that finds them all full waits without holding up
 the jobs behind it; `demand` counts the queued jobs of each catalog model, for placement.
 
 `next_timer(now)` says when waiting could change something: only when a worker has room and the
@@ -41,11 +41,15 @@ from typing import Callable
 from tokenbroker.common.protocol import Envelope
 
 from .affinity import RouteKey
-from .models import ModelIndex
 from .router import Router
 
 AFFINITY_LOOKAHEAD = 64  # queued jobs offered to their preferred worker before strict order
 PASSED_OVER_MAX = 1024  # queued jobs a turn may step past because their model's workers are full
+
+
+def _unplaced(model: str | None, *, catalog: bool) -> frozenset[bytes] | None:
+    """With no placement (a dispatcher on its own): a catalog model has no holders, any other goes anywhere."""
+    return frozenset() if catalog else None
 
 
 @dataclass(slots=True, eq=False)
@@ -88,17 +92,16 @@ class Slots:
 class Dispatcher:
     def __init__(self, router: Router, *, spill_wait: float, worker_bytes: int,
                  lookahead: int = AFFINITY_LOOKAHEAD,
-                 holders: Callable[[str], frozenset[bytes]] = lambda model: frozenset(),
+                 eligible: Callable[..., frozenset[bytes] | None] = _unplaced,
                  long_off_loop: bool = False) -> None:
         self.router = router
         # Workers encode a long tokenize off their loop (only with caches off, which workers share).
         self.long_off_loop = long_off_loop
-        self.holders = holders  # a catalog model -> the workers holding it (broker/placement.py)
+        self.eligible = eligible  # (model, catalog=) -> the workers that serve it, None: any (Placement.eligible)
         self.spill_wait = spill_wait
         self.worker_bytes = worker_bytes
         self.lookahead = lookahead
         self.workers: dict[bytes, Slots] = {}
-        self.models = ModelIndex()
         self.pending: deque[Job] = deque()
         self.waiting = 0  # queued jobs still unanswered
         self.demand: dict[str, int] = {}  # queued jobs still unanswered, per catalog model
@@ -107,12 +110,10 @@ class Dispatcher:
 
     # --- workers -------------------------------------------------------------------------
 
-    def add_worker(self, wid: bytes, capacity: int, *, names: list[str] = (), globs: list[str] = ()) -> None:  # type: ignore[assignment]
-        """A worker joined with `capacity` slots, answering to model `names` and `globs` (no names: any model)."""
+    def add_worker(self, wid: bytes, capacity: int) -> None:
+        """A worker joined with `capacity` slots (which models it serves is placement's to say)."""
         slots = self.workers[wid] = Slots(capacity)
         self.router.add_worker(wid, slots)
-        if names or globs:
-            self.models.add_worker(wid, list(names), list(globs))
         self._free += capacity
 
     def drain_worker(self, wid: bytes) -> None:
@@ -128,7 +129,6 @@ class Dispatcher:
         slots = self.workers.pop(wid, None)
         if slots is None:
             return []
-        self.models.remove_worker(wid)
         if not slots.draining:
             self._free -= self._room(slots)
             self.router.remove_worker(wid)
@@ -286,9 +286,9 @@ class Dispatcher:
     # --- internals -----------------------------------------------------------------------
 
     def _allowed(self, job: Job) -> frozenset[bytes] | None:
-        """The workers that may take the job: its catalog model's holders (maybe none), else by READY
-        names; a long tokenize, only those not encoding one already."""
-        allowed = self.holders(job.model) if job.catalog else self.models.eligible(job.model)  # type: ignore[arg-type]
+        """The workers that may take the job: those that serve its model (placement's answer: None,
+        any); a long tokenize, only those not encoding one already."""
+        allowed = self.eligible(job.model, catalog=job.catalog)
         if not job.long:
             return allowed
         free = frozenset(wid for wid, slots in self.workers.items() if not slots.long_jobs)

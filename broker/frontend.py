@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
-from typing import Container
+from typing import Any, Callable, Container, cast
 
 import msgpack
 import zmq
@@ -57,16 +57,8 @@ class Peek:
         return None if span is None else self.raw[span[0]:span[1]]
 
 
-class Rejected(Exception):
-    """A request answered at the frontend: the error and the id to echo."""
-
-    def __init__(self, raw_id: bytes, code: str, message: str) -> None:
-        super().__init__(message)
-        self.raw_id, self.code, self.message = raw_id, code, message
-
-
 def peek_request(raw: bytes) -> Peek:
-    """Check the common fields of a payload; raise Rejected with the protocol's code otherwise.
+    """Check the common fields of a payload; raise ProtocolError (with the id to echo) otherwise.
 
     >>> p = peek_request(msgpack.packb({"op": "tokenize", "text": "hi", "id": 5}))
     >>> p.op, p.raw_id, p.value("text")
@@ -74,18 +66,18 @@ def peek_request(raw: bytes) -> Peek:
     """
     unpacker = _unpacker(raw)
     if not raw or raw[0] not in _MAPS:
-        raise Rejected(NIL, "bad_request", f"payload must be a map, got {_first_type(raw)}")
+        raise ProtocolError("bad_request", f"payload must be a map, got {_first_type(raw)}", raw_id=NIL)
     peek = _peek_map(unpacker, raw, 0, 0)
     if unpacker.tell() != len(raw):
-        raise Rejected(peek.raw_id, "bad_request", "payload holds more than one MessagePack value: send one map")
+        raise ProtocolError("bad_request", "payload holds more than one MessagePack value: send one map", raw_id=peek.raw_id)
     peek.body = raw
     return peek
 
 
-def peek_array(raw: bytes) -> list[Peek | Rejected]:
+def peek_array(raw: bytes) -> list[Peek | ProtocolError]:
     """The requests of a frame that is an array (contract 1.2, "Several requests in one frame"), in
-    one pass over the frame: each element a Peek (its `body` a view of the frame) or the Rejected
-    that answers it. Raises Rejected (id nil) when the frame itself cannot be read: then nothing in
+    one pass over the frame: each element a Peek (its `body` a view of the frame) or the
+    ProtocolError that answers it. Raises ProtocolError (id nil) when the frame itself cannot be read: then nothing in
     it is served and one reply answers it, as for any unreadable payload. So does an array with no
     map in it: that is not an array of requests but a payload of the wrong type, answered as 1.1
     answers one (a 1.1 client that sends a list gets its one `bad_request`).
@@ -93,34 +85,36 @@ def peek_array(raw: bytes) -> list[Peek | Rejected]:
     >>> [p.op if isinstance(p, Peek) else p.code for p in peek_array(msgpack.packb([{"op": "ping"}, 3]))]
     ['ping', 'bad_request']
     """
-    out: list[Peek | Rejected] = []
+    out: list[Peek | ProtocolError] = []
     view = memoryview(raw)
     unpacker = _unpacker(raw)
     base = 0  # where `unpacker` started reading: its tell() counts from here
     try:
         count = unpacker.read_array_header()
     except Exception as e:
-        raise Rejected(NIL, "bad_request", f"payload is not valid MessagePack ({len(raw)} bytes{_starting(raw)}): {e}") from None
+        raise ProtocolError("bad_request", f"payload is not valid MessagePack ({len(raw)} bytes{_starting(raw)}): {e}",
+                            raw_id=NIL) from None
     maps = 0
     for i in range(count):
         start = base + unpacker.tell()
         if start >= len(raw):
-            raise Rejected(NIL, "bad_request", f"payload is truncated: the array says {count} requests, "
-                           f"the frame holds {i}")
+            raise ProtocolError("bad_request", f"payload is truncated: the array says {count} requests, "
+                                f"the frame holds {i}", raw_id=NIL)
         try:
             if raw[start] not in _MAPS:
-                raise Rejected(NIL, "bad_request", f"request [{i}] of the array must be a map, got {_first_type(raw[start:start + 9])}")
+                raise ProtocolError("bad_request", f"request [{i}] of the array must be a map, "
+                                    f"got {_first_type(raw[start:start + 9])}", raw_id=NIL)
             maps += 1
             peek = _peek_map(unpacker, raw, base, start)
             peek.body = view[start:base + unpacker.tell()]
             out.append(peek)
-        except Rejected as e:  # this element only: find where it ends (its bytes are skipped, never decoded)
+        except ProtocolError as e:  # this element only: find where it ends (its bytes are skipped, never decoded)
             out.append(e)
             base, unpacker = _resume_after(raw, start)
     if base + unpacker.tell() != len(raw):
-        raise Rejected(NIL, "bad_request", "payload holds more than one MessagePack value: send one array")
+        raise ProtocolError("bad_request", "payload holds more than one MessagePack value: send one array", raw_id=NIL)
     if maps == 0 and out:
-        raise Rejected(NIL, "bad_request", "payload must be a map (or an array of request maps), got list")
+        raise ProtocolError("bad_request", "payload must be a map (or an array of request maps), got list", raw_id=NIL)
     return out
 
 
@@ -131,7 +125,7 @@ def _unpacker(raw: bytes) -> msgpack.Unpacker:
 
 
 def _resume_after(raw: bytes, start: int) -> tuple[int, msgpack.Unpacker]:
-    """An unpacker just past the value at `start`, and its base; Rejected when the frame is broken there."""
+    """An unpacker just past the value at `start`, and its base; ProtocolError when the frame is broken there."""
     f = io.BytesIO(raw)
     f.seek(start)
     size = max(len(raw), 1)
@@ -139,7 +133,8 @@ def _resume_after(raw: bytes, start: int) -> tuple[int, msgpack.Unpacker]:
     try:
         walker.skip()
     except Exception as e:
-        raise Rejected(NIL, "bad_request", f"payload is not valid MessagePack from byte {start}: {str(e) or type(e).__name__}") from None
+        raise ProtocolError("bad_request", f"payload is not valid MessagePack from byte {start}: "
+                            f"{str(e) or type(e).__name__}", raw_id=NIL) from None
     end = start + walker.tell()
     f.seek(end)
     return end, msgpack.Unpacker(f, raw=False, strict_map_key=False, read_size=min(64 * 1024, size), max_buffer_size=size)
@@ -156,7 +151,7 @@ def _peek_map(unpacker: msgpack.Unpacker, raw: bytes, base: int, start: int) -> 
         for _ in range(size):
             key = unpacker.unpack()
             if not isinstance(key, str):
-                raise Rejected(raw_id, "bad_request", f"payload map keys must be str, got {type_name(key)}")
+                raise ProtocolError("bad_request", f"payload map keys must be str, got {type_name(key)}", raw_id=raw_id)
             at = base + unpacker.tell()
             if key == "id":
                 unpacker.skip()
@@ -164,7 +159,7 @@ def _peek_map(unpacker: msgpack.Unpacker, raw: bytes, base: int, start: int) -> 
                 why = id_problem(raw_id)
                 if why is not None:
                     raw_id = NIL
-                    raise Rejected(NIL, "bad_request", why)
+                    raise ProtocolError("bad_request", why, raw_id=NIL)
             elif key in _HEADER_FIELDS:
                 fields[key] = unpacker.unpack()
             else:
@@ -172,16 +167,17 @@ def _peek_map(unpacker: msgpack.Unpacker, raw: bytes, base: int, start: int) -> 
                 if key in INPUT_FIELDS:
                     spans[key] = (at, base + unpacker.tell())
         common = common_fields(fields)
-    except Rejected:
+    except ProtocolError as e:  # raised above (its id set), or by common_fields (the id read so far)
+        if e.raw_id is None:
+            e.raw_id = raw_id
         raise
-    except ProtocolError as e:
-        raise Rejected(raw_id, e.code, e.message) from None
     except UnicodeDecodeError as e:
-        raise Rejected(raw_id, "bad_request", f"payload holds a str that is not valid UTF-8: {e.reason}") from None
+        raise ProtocolError("bad_request", f"payload holds a str that is not valid UTF-8: {e.reason}",
+                            raw_id=raw_id) from None
     except Exception as e:  # truncated, not MessagePack, nested too deep, ...
         detail = str(e) or type(e).__name__
-        raise Rejected(raw_id, "bad_request", f"payload is not valid MessagePack ({len(raw) - start} bytes"
-                       f"{_starting(raw[start:start + 1])}): {detail}") from None
+        raise ProtocolError("bad_request", f"payload is not valid MessagePack ({len(raw) - start} bytes"
+                            f"{_starting(raw[start:start + 1])}): {detail}", raw_id=raw_id) from None
     return Peek(raw, raw_id, common.op, common.model, common.deadline_ms, common.affinity, spans)
 
 
@@ -190,7 +186,7 @@ _RCVMORE = int(zmq.RCVMORE)  # a plain int: `sock.rcvmore` costs an enum lookup 
 REPLY_FRAME_BYTES = 4 * 1024 * 1024  # replies coalesced in one frame, past its first
 _PACKER = msgpack.Packer()
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-_raw_send = zmq.backend.Socket.send  # the Cython method under pyzmq's Python `Socket.send`
+_raw_send: Callable[..., Any] = zmq.backend.Socket.send  # the Cython method under pyzmq's Python `Socket.send`
 _COPY_THRESHOLD = zmq.COPY_THRESHOLD
 _MAPS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 _ARRAYS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
@@ -219,22 +215,16 @@ def _starting(raw: bytes) -> str:
     return f", starting 0x{raw[:1].hex()}" if raw else ", empty"
 
 
-def split_envelope(frames: list[bytes]) -> tuple[Envelope, bytes]:
-    """[identity, payload] or [identity, b"", payload]; anything else is a bad_request."""
+def split_envelope(frames: list[bytes]) -> tuple[Envelope, bytes | None]:
+    """[identity, payload] or [identity, b"", payload]; anything else has no payload (None), and
+    is answered bad_request on the envelope it came with."""
     identity = frames[0]
     if len(frames) == 2:
         return Envelope(identity, delimited=False), frames[1]
     if len(frames) == 3 and frames[1] == b"":
         return Envelope(identity, delimited=True), frames[2]
     delimited = len(frames) > 1 and frames[1] == b""
-    raise _Malformed(Envelope(identity, delimited), len(frames) - 1)
-
-
-class _Malformed(Exception):
-    def __init__(self, envelope: Envelope, count: int) -> None:
-        super().__init__(count)
-        self.envelope = envelope
-        self.count = count
+    return Envelope(identity, delimited), None
 
 
 @dataclass(slots=True)
@@ -255,7 +245,7 @@ class Peer:
     def of(cls, frame: zmq.Frame) -> "Peer":
         def prop(name: str) -> str | None:
             try:
-                return frame.get(name)
+                return cast(str, frame.get(name))  # User-Id and Peer-Address are str
             except zmq.ZMQError:  # no such property on this connection (no ZAP user id without CURVE)
                 return None
 
@@ -272,7 +262,7 @@ class Frontend:
         # when CURVE is on or the frontend is reachable from other hosts; it costs a Frame per message.
         self.tell_peer = tell_peer
         self.arrays: set[bytes] = set()  # connections that sent an array and still hold requests
-        self.outbox: dict[Envelope, list[bytes]] = {}  # their replies of this turn, sent by flush()
+        self.outbox: dict[Envelope, list[bytes | memoryview]] = {}  # their replies of this turn, sent by flush()
 
     def receive(self) -> list[Incoming | None] | None:
         """One message: its requests checked (one, or each element of an array), None for each one
@@ -301,36 +291,36 @@ class Frontend:
                 frames.append(b"\x00")  # a placeholder for split_envelope: the frame is never copied
             else:
                 frames.append(frame.bytes)
-        try:
-            envelope, raw = split_envelope(frames)
-        except _Malformed as e:
-            self.fail(e.envelope, NIL, "bad_request",
-                      f"a message is an optional empty delimiter then one payload frame; got {e.count} frames")
+        envelope, raw = split_envelope(frames)
+        if raw is None:
+            self.fail(envelope, NIL, ProtocolError("bad_request", "a message is an optional empty delimiter then "
+                                                   f"one payload frame; got {len(frames) - 1} frames"))
             return [None]
         if oversized is not None:
-            self.fail(envelope, id_in_place(oversized.buffer), "too_large", f"payload is {len(oversized)} bytes; "
-                      f"this broker takes at most {self.max_request_bytes} (--max-request-bytes)")
+            self.fail(envelope, id_in_place(oversized.buffer), ProtocolError(
+                "too_large", f"payload is {len(oversized)} bytes; "
+                f"this broker takes at most {self.max_request_bytes} (--max-request-bytes)"))
             return [None]
         if raw and raw[0] in _ARRAYS:
             return self._receive_array(envelope, raw, peer)
         try:
             return [Incoming(envelope, peek_request(raw), peer)]
-        except Rejected as e:
-            self.fail(envelope, e.raw_id, e.code, e.message)
+        except ProtocolError as e:
+            self.fail(envelope, NIL, e)
             return [None]
 
     def _receive_array(self, envelope: Envelope, raw: bytes, peer: "Peer | None") -> list[Incoming | None]:
         try:
             peeks = peek_array(raw)
-        except Rejected as e:
-            self.fail(envelope, e.raw_id, e.code, e.message)
+        except ProtocolError as e:
+            self.fail(envelope, NIL, e)
             return [None]
         if peeks:
             self.arrays.add(envelope.identity)  # before any reply: this connection's replies are coalesced
         out: list[Incoming | None] = []
         for p in peeks:
-            if isinstance(p, Rejected):
-                self.fail(envelope, p.raw_id, p.code, p.message)
+            if isinstance(p, ProtocolError):
+                self.fail(envelope, NIL, p)
                 out.append(None)
             else:
                 out.append(Incoming(envelope, p, peer))
@@ -390,5 +380,7 @@ class Frontend:
         except zmq.ZMQError:  # the client is gone (a ROUTER drops what a full queue cannot take): never block the loop
             pass
 
-    def fail(self, envelope: Envelope, raw_request_id: bytes, code: str, message: str) -> None:
-        self.reply(envelope, error_reply(raw_request_id, code, message))
+    def fail(self, envelope: Envelope, raw_id: bytes, error: ProtocolError) -> None:
+        """Answer `error`, the broker's one way to build an error reply: it echoes the id the error
+        carries (what the frontend read of the request) or else `raw_id` (the caller's)."""
+        self.reply(envelope, error_reply(raw_id if error.raw_id is None else error.raw_id, error.code, error.message))

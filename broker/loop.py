@@ -1,7 +1,9 @@
 """The broker loop: poll, then backend, frontend, tick. Readable in one screen per verb.
 
-Jobs flow client -> frontend -> dispatcher (queue, placement) -> backend -> worker, and the
-worker's reply bytes go back untouched. Timers (heartbeats, deadlines, respawns, spills) run only
+Jobs flow client -> frontend -> dispatcher (the queue, which worker takes each job) -> backend
+-> worker, and the worker's reply bytes go back untouched; which workers may serve a job's model
+is placement's answer (broker/placement.py), and the broker's own refusals are ProtocolErrors
+answered through `Frontend.fail`. Timers (heartbeats, deadlines, respawns, spills) run only
 in `tick`, with one `now` read per turn; the poll sleeps until a socket is readable or the next
 timer that can change something, so a loaded broker with no free worker does not spin. The loop
 never tokenizes and never decodes a reply.
@@ -15,17 +17,17 @@ import logging
 import signal
 import socket
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import zmq
 
 from tokenbroker import __version__
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import ADMIN_OPS, MAX_DEADLINE_MS, SKIPPED, W_BYE, error_reply, ok_reply, req, unpack
+from tokenbroker.common.protocol import ADMIN_OPS, MAX_DEADLINE_MS, SKIPPED, W_BYE, ok_reply, req, unpack
 
 from .affinity import route_key
 from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
-from .catalog import FAILED, LOADING, WORKER, Catalog, CatalogError, Entry, add_model_spec, served_backends
+from .catalog import FAILED, LOADING, WORKER, Catalog, Entry, add_model_spec, served_backends
 from .config import BrokerConfig
 from .dispatch import Dispatcher, Job
 from .jobs import JobTable
@@ -86,7 +88,7 @@ class Broker:
         self.placement = Placement(config.models.max_models)
         caches = config.models.cache
         self.dispatcher = Dispatcher(self.router, spill_wait=config.spill_wait_ms / 1000,
-                                     worker_bytes=config.worker_max_bytes, holders=self.placement.holders,
+                                     worker_bytes=config.worker_max_bytes, eligible=self.placement.eligible,
                                      long_off_loop=not (caches.l0_enabled or caches.l1_enabled))
         self.removing: set[str] = set()  # models removed whose queued jobs are still being served
         self.replan = True  # placement has something new to look at
@@ -136,17 +138,17 @@ class Broker:
             self._serve()
         except Exception:
             log.exception("the broker loop failed: answering every held request 'internal' before stopping")
-            self._fail_all("internal", "the broker failed while holding this request (it is logged); retry")
+            self._fail_all(ProtocolError("internal", "the broker failed while holding this request (it is logged); retry"))
             self.frontend.flush(())
             raise
-        self._fail_all("overloaded", "the broker is shutting down; retry on another broker")
+        self._fail_all(ProtocolError("overloaded", "the broker is shutting down; retry on another broker"))
         self.frontend.flush(())
 
     def _serve(self) -> None:
         """One turn: wait for input, drain both sockets, run the timers, send each connection the
         turn's replies. (zmq_poll called directly: zmq.Poller wraps it in Python.)"""
         front, back, wake = self.frontend.sock, self.backend.sock, self.wakeup.fileno()
-        items = [(back, zmq.POLLIN), (wake, zmq.POLLIN), (front, zmq.POLLIN)]
+        items: list[tuple[Any, int]] = [(back, zmq.POLLIN), (wake, zmq.POLLIN), (front, zmq.POLLIN)]
         poll = zmq.zmq_poll
         gc.freeze()  # what start-up built is never garbage: the collector stops walking it
         gc.set_threshold(10_000, 20, 20)  # a turn allocates thousands of short-lived objects, none cyclic
@@ -223,12 +225,12 @@ class Broker:
         body = peek.body
         why = self._refusal(envelope.identity, len(body))
         if why is not None:
-            self.frontend.fail(envelope, peek.raw_id, "overloaded", f"{why}; retry later")
+            self.frontend.fail(envelope, peek.raw_id, ProtocolError("overloaded", f"{why}; retry later"))
             self.metrics.request_done(peek.op, "overloaded", 0.0)
             return
         entry = self._entry_of(peek.op, peek.model)
         if entry is not None and entry.state == FAILED:
-            self.frontend.fail(envelope, peek.raw_id, "unknown_model", self._failed_message(entry.name))
+            self.frontend.fail(envelope, peek.raw_id, self._failed(entry.name))
             self.metrics.request_done(peek.op, "unknown_model", 0.0)
             return
         timeout_ms = peek.deadline_ms or self.config.request_timeout_ms
@@ -250,8 +252,9 @@ class Broker:
             return self.catalog.resolve(name)
         return None
 
-    def _failed_message(self, model: str) -> str:
-        return f"field 'model': model {model!r} failed to load: {self.catalog.entries[model].error}"
+    def _failed(self, model: str) -> ProtocolError:
+        return ProtocolError("unknown_model", f"field 'model': model {model!r} failed to load: "
+                             f"{self.catalog.entries[model].error}")
 
     def _refusal(self, client: bytes, size: int) -> str | None:
         """Why a new request cannot be held now (answered overloaded), or None."""
@@ -266,19 +269,23 @@ class Broker:
         return None
 
     @staticmethod
-    def _timeout_message(job: Job) -> str:
-        return f"no worker answered within the deadline ({(job.deadline - job.received) * 1000:.0f} ms)"
+    def _timeout(job: Job) -> ProtocolError:
+        return ProtocolError("timeout", f"no worker answered within the deadline "
+                             f"({(job.deadline - job.received) * 1000:.0f} ms)")
 
     def _release(self, job: Job) -> None:
         self.jobs.release(job)
 
-    def _answer(self, job: Job, payload: bytes, outcome: str, now: float) -> None:
+    def _answer(self, job: Job, payload: "bytes | memoryview", outcome: str, now: float) -> None:
         job.answered = True
         self.frontend.reply(job.envelope, payload)
         self.metrics.request_done(job.op, outcome, now - job.received)
 
-    def _fail(self, job: Job, code: str, message: str, now: float) -> None:
-        self._answer(job, error_reply(job.raw_id, code, message), code, now)
+    def _fail(self, job: Job, error: ProtocolError, now: float) -> None:
+        """Answer a held job with `error` (through Frontend.fail), counted by its code."""
+        job.answered = True
+        self.frontend.fail(job.envelope, job.raw_id, error)
+        self.metrics.request_done(job.op, error.code, now - job.received)
 
     # --- dispatch ----------------------------------------------------------------------
 
@@ -296,7 +303,7 @@ class Broker:
                 for job in batch:
                     self.dispatcher.finish(wid, job.job_id)
                     self._release(job)
-                    self._fail(job, "internal", "the broker could not hand the request to a worker", now)
+                    self._fail(job, ProtocolError("internal", "the broker could not hand the request to a worker"), now)
 
     # --- backend -----------------------------------------------------------------------
 
@@ -328,7 +335,7 @@ class Broker:
             if job.answered:
                 continue
             if outcome == SKIPPED or not payload:  # the worker saw the budget run out a moment before the broker
-                self._fail(job, "timeout", self._timeout_message(job), now)
+                self._fail(job, self._timeout(job), now)
             else:
                 self._answer(job, payload, outcome, now)
         self._gone_if_idle(event.wid, now)
@@ -356,7 +363,7 @@ class Broker:
                 self._release(job)
             elif job.attempts >= 2:
                 self._release(job)
-                self._fail(job, "worker_failed", "two workers died while holding this request", now)
+                self._fail(job, ProtocolError("worker_failed", "two workers died while holding this request"), now)
             else:
                 self.dispatcher.requeue(job)
 
@@ -386,9 +393,9 @@ class Broker:
         """Answer `timeout` for every job past its deadline; queued ones let go of their payload now."""
         for job in self.jobs.due(now):
             if job.worker is None:
-                self._fail_waiting(job, "timeout", self._timeout_message(job), now)
+                self._fail_waiting(job, self._timeout(job), now)
             else:
-                self._fail(job, "timeout", self._timeout_message(job), now)
+                self._fail(job, self._timeout(job), now)
 
     def snapshot(self) -> PoolSnapshot:
         """What the exporter shows, copied so the HTTP thread never reads live structures."""
@@ -420,7 +427,7 @@ class Broker:
         peek, envelope = incoming.peek, incoming.envelope
         peer = incoming.peer
         try:
-            if peek.op in ADMIN_OPS and not self.is_admin(peer and peer.user_id, peer and peer.address):
+            if peek.op in ADMIN_OPS and not self.is_admin(peer.user_id if peer else None, peer.address if peer else None):
                 raise ProtocolError("forbidden", f"op {peek.op!r} is an admin op: use it from a loopback connection, "
                                     "or under CURVE with a key in the broker's --curve-admins")
             if peek.op == "models":
@@ -431,12 +438,8 @@ class Broker:
             else:
                 fields = self._remove_model(req(unpack(peek.body), "name", str))
         except ProtocolError as e:
-            self.frontend.fail(envelope, peek.raw_id, e.code, e.message)
+            self.frontend.fail(envelope, peek.raw_id, e)
             self.metrics.request_done(peek.op, e.code, 0.0)
-            return
-        except CatalogError as e:
-            self.frontend.fail(envelope, peek.raw_id, "bad_request", str(e))
-            self.metrics.request_done(peek.op, "bad_request", 0.0)
             return
         self.frontend.reply(envelope, ok_reply(peek.raw_id, {**fields, "worker": "broker"}))
         self.metrics.request_done(peek.op, "ok", 0.0)
@@ -472,8 +475,8 @@ class Broker:
             else:
                 self.catalog.adopt(model, info, fingerprint)
                 own.append(model)
-        self.placement.add_worker(w.wid, ours, now, own=own)
-        self.dispatcher.add_worker(w.wid, w.ready.capacity, names=w.ready.names, globs=w.ready.maps)
+        self.placement.add_worker(w.wid, ours, now, own=own, names=w.ready.names, globs=w.ready.maps)
+        self.dispatcher.add_worker(w.wid, w.ready.capacity)
         self.metrics.worker_joined(w.name)
         self.replan = True
 
@@ -506,15 +509,15 @@ class Broker:
         self.metrics.model_load_failed(name)
         self.catalog.failed(name, loaded.error)
         if entry.state == FAILED:
-            self._fail_queued(name, "unknown_model", self._failed_message(name), now)
+            self._fail_queued(name, self._failed(name), now)
 
-    def _fail_queued(self, model: str, code: str, message: str, now: float) -> None:
+    def _fail_queued(self, model: str, error: ProtocolError, now: float) -> None:
         for job in self.dispatcher.queued(model):
-            self._fail_waiting(job, code, message, now)
+            self._fail_waiting(job, error, now)
 
-    def _fail_waiting(self, job: Job, code: str, message: str, now: float) -> None:
+    def _fail_waiting(self, job: Job, error: ProtocolError, now: float) -> None:
         """Answer a job still in the queue: it leaves the queue's count and its payload goes now."""
-        self._fail(job, code, message, now)
+        self._fail(job, error, now)
         self.dispatcher.dequeued(job)
         self._release(job)
         job.raw = b""
@@ -523,14 +526,15 @@ class Broker:
         """Send the loads and unloads placement asks for; finish the removals whose jobs are done."""
         for name in list(self.removing) if self.removing else ():
             if not self.placement.holders(name):
-                self._fail_queued(name, "unknown_model", f"field 'model': model {name!r} was removed from the catalog", now)
+                self._fail_queued(name, ProtocolError(
+                    "unknown_model", f"field 'model': model {name!r} was removed from the catalog"), now)
             if self.dispatcher.demand.get(name):
                 continue  # queued jobs still go to the workers holding it
             unloads = self.placement.unload_everywhere(name, self.dispatcher.holds_model)
             if unloads is None:
                 continue  # a worker still holds a job of it
-            for action in unloads:
-                self.backend.send_unload(action.wid, action.model)
+            for unload in unloads:
+                self.backend.send_unload(unload.wid, unload.model)
             self.catalog.drop(name)
             self.backend.forget_model(name)
             self.removing.discard(name)
@@ -578,10 +582,10 @@ class Broker:
                         self.backend.send_heartbeat(frames[0])
             self.supervisor.reap(time.monotonic())
 
-    def _fail_all(self, code: str, message: str) -> None:
+    def _fail_all(self, error: ProtocolError) -> None:
         now = time.monotonic()
         for job in self.jobs.unanswered():
-            self._fail(job, code, message, now)
+            self._fail(job, error, now)
         self.jobs.clear()
         self.dispatcher.clear()
 

@@ -155,7 +155,9 @@ def _layer_sizes(workers: Iterable[WorkerView]) -> dict[str, dict[str, int]]:
         if not isinstance(caches, Mapping):
             continue
         for layer in CACHE_LAYERS:
-            stats = caches.get(layer) if isinstance(caches.get(layer), Mapping) else {}
+            stats = caches.get(layer)
+            if not isinstance(stats, Mapping):
+                stats = {}
             for key in CACHE_GAUGES:
                 sizes[layer][key] += _int(stats.get(key))
     return sizes
@@ -473,7 +475,7 @@ class PoolMetrics:
         """Start the HTTP exporter (metrics and probes) on a daemon thread; returns the metrics URL."""
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         server_class = type("ExporterServer", (_ExporterServer,), {"address_family": family})
-        self._server = make_server(sockaddr[0], port, self._app(), server_class, handler_class=_QuietHandler)
+        self._server = make_server(str(sockaddr[0]), port, self._app(), server_class, handler_class=_QuietHandler)
         threading.Thread(target=self._server.serve_forever, name="tokenbroker-exporter", daemon=True).start()
         bound = self._server.server_address[1]
         shown = f"[{host}]" if ":" in host else host

@@ -1,4 +1,13 @@
-"""Which worker holds which model: loads, replicas and evictions. No socket, no clock.
+"""Which worker holds which model, and so who may serve a request for it: loads, replicas and
+evictions. No socket, no clock.
+
+`eligible(model, catalog=...)` is the one answer to "who serves model X" (the dispatcher's allowed
+set): a catalog model's holders, from what placement asked for and workers said they loaded (none
+yet: the job waits for a load); any other name, the workers that resolve it by the names and
+`--tokenizer-map` globs they gave in READY (a pool may mix workers started with other models), so
+a worker never gets a request for a model it does not hold; None, any worker may take it: no
+model (each worker's default), or a name no live worker resolves (the worker answers
+`unknown_model` with its own message).
 
 The broker decides; workers load in the background and say how it went (W_LOADED). With no cap
 (`--max-models-per-worker 0`) every worker holds every placeable model, as in protocol version 1:
@@ -27,7 +36,7 @@ residency bounds how often a slot can change hands, so a pool too small for its 
 into waiting for loads instead of spending its time loading (a worker loads one model at a time).
 Loads lost with a worker that died are planned again, on another worker or its replacement.
 
-`holders(model)` is what the dispatcher may send a model's jobs to: the workers holding it, less
+`holders(model)` is what the dispatcher may send a catalog model's jobs to: the workers holding it, less
 those loading another model while some other holder is not. A worker parsing a tokenizer
 (`tokenizers` holds the GIL for the whole parse, seconds under load) serves nothing meanwhile, so
 jobs sent there would wait for the load; a forked local worker's load is a wake (the template's
@@ -37,8 +46,11 @@ dormant copy, workers/registry.py) and this lasts one round trip.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
+
+from tokenbroker.common.protocol import glob_pattern
 
 REPLICA_AFTER_S = 0.05  # a model's holders all full this long, requests queued: add a replica
 IDLE_AFTER_S = 30.0  # a replica that served nothing this long goes, while another replica stays
@@ -47,6 +59,8 @@ MIN_RESIDENCY_S = 1.0  # a model loaded this recently is not let go for another.
 RESIDENCY_PER_LOAD = 10.0  # ...nor one loaded for less than this many times what its load took (whichever is less)
 HEAT_HALF_LIFE_S = 10.0  # a model's request count halves over this: what "recent traffic" means
 _DECAY = math.log(2) / HEAT_HALF_LIFE_S
+CACHED_NAMES = 4096  # resolved names remembered between pool changes
+_NOBODY: frozenset[bytes] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -90,16 +104,22 @@ class Placement:
         self._holders: dict[str, frozenset[bytes]] = {}  # the same, less the loading ones while others are not
         self._starved_since: dict[str, float] = {}
         self._overloaded_since: dict[bytes, float] = {}
+        self._names = _NameIndex()
 
     # --- workers -------------------------------------------------------------------------
 
-    def add_worker(self, wid: bytes, models: Iterable[str], now: float, *, own: Iterable[str] = ()) -> None:
-        """A worker joined holding `models` (catalog names) and `own` models of its own."""
+    def add_worker(self, wid: bytes, models: Iterable[str], now: float, *, own: Iterable[str] = (),
+                   names: Iterable[str] = (), globs: Iterable[str] = ()) -> None:
+        """A worker joined holding `models` (catalog names) and `own` models of its own, answering
+        to the model `names` and `globs` of its READY."""
         holding = Holding(held=dict.fromkeys(models, now), pinned=set(own))
         holding.held.update(dict.fromkeys(own, now))
         self.workers[wid] = holding
         for model in holding.held:
             self._index(model)
+        names, globs = list(names), list(globs)
+        if names or globs:
+            self._names.add_worker(wid, names, globs)
 
     def drain_worker(self, wid: bytes) -> None:
         holding = self.workers.get(wid)
@@ -113,6 +133,7 @@ class Placement:
         if holding is not None:
             for model in holding.held:
                 self._index(model)
+        self._names.remove_worker(wid)
 
     # --- what workers said ---------------------------------------------------------------
 
@@ -155,9 +176,28 @@ class Placement:
 
     # --- reading -------------------------------------------------------------------------
 
+    def eligible(self, model: str | None, *, catalog: bool) -> frozenset[bytes] | None:
+        """The workers that may take a job of `model` now; None when any worker may.
+
+        `catalog`: `model` is a catalog entry's name: its holders (empty: none yet, the job waits).
+        Any other name: the workers whose READY names or globs resolve it (None when none does).
+
+        >>> p = Placement(0)
+        >>> p.add_worker(b"w1", ["deepseek"], 0.0, names=["deepseek", "default"])
+        >>> p.add_worker(b"w2", [], 0.0, names=["bert"], globs=["bert-*"])
+        >>> sorted(p.eligible("deepseek", catalog=True)), p.eligible("qwen", catalog=True)
+        ([b'w1'], frozenset())
+        >>> sorted(p.eligible("bert-base", catalog=False)), p.eligible(None, catalog=False), p.eligible("nope", catalog=False)
+        ([b'w2'], None, None)
+        """
+        if model is None:
+            return None  # each worker's default
+        if catalog:
+            return self._holders.get(model, _NOBODY)
+        return self._names.eligible(model)
+
     def holders(self, model: str) -> frozenset[bytes]:
-        """The workers that may take a job of `model` now (the dispatcher's eligible set): those that
-        hold it and take jobs, less the ones loading while another holder is not. Empty exactly
+        """The workers that may take a job of catalog model `model` now: those that hold it and take jobs, less the ones loading while another holder is not. Empty exactly
         when no worker holds it."""
         return self._holders.get(model, frozenset())
 
@@ -375,3 +415,33 @@ class Placement:
         if holding is not None:
             for model in holding.held:
                 self._index(model)
+
+
+class _NameIndex:
+    """Model names -> the live workers that answer to them, by their READY names and globs."""
+
+    def __init__(self) -> None:
+        self._names: dict[bytes, frozenset[str]] = {}
+        self._globs: dict[bytes, tuple[re.Pattern[str], ...]] = {}
+        self._cache: dict[str, frozenset[bytes] | None] = {}
+
+    def add_worker(self, wid: bytes, names: list[str], globs: list[str]) -> None:
+        self._names[wid] = frozenset(names)
+        self._globs[wid] = tuple(glob_pattern(g) for g in globs)
+        self._cache.clear()
+
+    def remove_worker(self, wid: bytes) -> None:
+        if self._names.pop(wid, None) is not None:
+            self._globs.pop(wid, None)
+            self._cache.clear()
+
+    def eligible(self, model: str) -> frozenset[bytes] | None:
+        """The workers that resolve `model`, exactly or by a glob; None when none does."""
+        if model in self._cache:
+            return self._cache[model]
+        found = frozenset(wid for wid, names in self._names.items()
+                          if model in names or any(p.fullmatch(model) for p in self._globs[wid]))
+        result = found or None
+        if len(self._cache) < CACHED_NAMES:
+            self._cache[model] = result
+        return result

@@ -21,14 +21,20 @@ ERROR_CODES: tuple[str, ...] = (
 
 
 class ProtocolError(Exception):
-    """Raised where a request is found wanting; what catches it answers with common.protocol.error_reply."""
+    """Raised where a request is found wanting, and the one shape of a refusal on either side: the
+    broker answers it through broker/frontend.py's `Frontend.fail`, a worker through workers/ops.py.
 
-    def __init__(self, code: str, message: str) -> None:
+    `raw_id`: the request id's MessagePack bytes to echo, when the code that found the fault read
+    them (the broker's frontend, peeking at a payload); None leaves the id to whoever answers.
+    """
+
+    def __init__(self, code: str, message: str, raw_id: bytes | None = None) -> None:
         if code not in ERROR_CODES:
             raise ValueError(f"unknown protocol error code {code!r}")
         super().__init__(message)
         self.code = code
         self.message = message
+        self.raw_id = raw_id
 
 
 class BootError(Exception):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard, TypeVar
 
 import msgpack
 
@@ -60,7 +60,7 @@ MAX_NAME_CHARS = 128  # a worker's name, as shown in replies and metric labels
 MAX_DEADLINE_MS = 2**31 - 1
 
 
-def pack_jobs(jobs: "list[tuple[int, int, bytes | memoryview]]") -> list[bytes]:
+def pack_jobs(jobs: "list[tuple[int, int, bytes | memoryview]]") -> "list[bytes | memoryview]":
     """A B_JOBS message for (job id, budget ms, payload) triples: three frames however many jobs
     (a frame costs a send and a receive on each side; bytes are cheap to join). A lone payload is
     its own frame, so a large one goes without being copied.
@@ -129,7 +129,7 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(data: bytes) -> Any:
+def unpack(data: "bytes | memoryview") -> Any:
     """Decode MessagePack with str kept apart from bin; invalid UTF-8 in a str is a bad_request."""
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
@@ -154,7 +154,10 @@ def type_name(value: Any) -> str:
     return _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
-def _is(value: Any, kind: type) -> bool:
+_T = TypeVar("_T")
+
+
+def _is(value: Any, kind: type[_T]) -> TypeGuard[_T]:
     # MessagePack's own types: a bool is not an int, an int is not a bool.
     if kind is int:
         return type(value) is int
@@ -357,6 +360,7 @@ def reply(raw_request_id: bytes, fields: dict) -> bytes:
 
 
 def error_reply(raw_request_id: bytes, code: str, message: str) -> bytes:
+    """The error reply map; built in one place per side (the broker's Frontend.fail, workers/ops.py)."""
     return reply(raw_request_id, {"ok": False, "error": {"code": code, "message": message}})
 
 

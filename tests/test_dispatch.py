@@ -10,14 +10,16 @@ from hypothesis import strategies as st
 from tokenbroker.broker.affinity import route_key
 from tokenbroker.broker.dispatch import Dispatcher, Job
 from tokenbroker.broker.frontend import peek_request
+from tokenbroker.broker.placement import Placement
 from tokenbroker.broker.router import Router
 from tokenbroker.common.protocol import Envelope, pack
 
 W1, W2 = b"w1", b"w2"
 
 
-def dispatcher(*workers: tuple[bytes, int], spill_wait: float = 0.02, worker_bytes: int = 1 << 20) -> Dispatcher:
-    d = Dispatcher(Router(), spill_wait=spill_wait, worker_bytes=worker_bytes)
+def dispatcher(*workers: tuple[bytes, int], spill_wait: float = 0.02, worker_bytes: int = 1 << 20,
+               **kwargs) -> Dispatcher:
+    d = Dispatcher(Router(), spill_wait=spill_wait, worker_bytes=worker_bytes, **kwargs)
     for wid, capacity in workers:
         d.add_worker(wid, capacity)
     return d
@@ -201,9 +203,10 @@ def test_the_router_reads_each_workers_load_from_its_slots(seed: int, capacities
 
 
 def test_a_job_goes_only_to_the_workers_holding_its_model_and_does_not_hold_up_others():
-    d = dispatcher((W1, 1), (W2, 4))
-    d.models.add_worker(W1, ["bert"], [])
-    d.models.add_worker(W2, ["deepseek", "default"], ["gpt-*"])
+    p = Placement(0)
+    d = dispatcher((W1, 1), (W2, 4), eligible=p.eligible)
+    p.add_worker(W1, [], 0.0, names=["bert"])
+    p.add_worker(W2, [], 0.0, names=["deepseek", "default"], globs=["gpt-*"])
     bert = [job(f"b{i}") for i in range(3)]
     for j in bert:
         j.model = "bert"
@@ -220,8 +223,9 @@ def test_a_job_goes_only_to_the_workers_holding_its_model_and_does_not_hold_up_o
 
 
 def test_a_model_no_worker_holds_goes_anywhere_and_the_worker_says_so():
-    d = dispatcher((W1, 4))
-    d.models.add_worker(W1, ["bert"], [])
+    p = Placement(0)
+    d = dispatcher((W1, 4), eligible=p.eligible)
+    p.add_worker(W1, [], 0.0, names=["bert"])
     j = job("x")
     j.model = "nope"
     d.enqueue(j)

@@ -61,6 +61,11 @@ def test_two_forked_workers_hold_four_models_for_about_one_copy():
         for pid in workers:
             private = mem[pid]["Private_Clean"] + mem[pid]["Private_Dirty"]
             assert private < 0.5 * mem[pid]["Rss"], (pid, private >> 20, mem[pid]["Rss"] >> 20)
+        # The template holds nothing its workers do not share: its own private pages are only those
+        # the workers wrote over (9 MiB with 10 tokenizers, docs/sizing.md). fastokens' per-thread
+        # word caches (16-32 MiB a model) are made on a builder thread that ends before the fork.
+        template_private = mem[template[0]]["Private_Clean"] + mem[template[0]]["Private_Dirty"]
+        assert template_private < 32 << 20, (template_private >> 20, mem[template[0]]["Rss"] >> 20)
 
 
 def test_a_killed_forked_worker_is_forked_again_and_serves_the_same_ids():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tokenbroker.broker.catalog import FAILED, LOADING, READY, Catalog, CatalogError
+from tokenbroker.broker.catalog import FAILED, LOADING, READY, Catalog
 from tokenbroker.broker.placement import Load, Placement, Unload
 from tokenbroker.common.config import ModelConfig, ModelSpec
+from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import LoadSpec
 
 W1, W2, W3 = b"w1", b"w2", b"w3"
@@ -125,9 +126,9 @@ def test_the_catalog_adds_refuses_conflicts_retries_failures_and_drops():
     entry = c.add(LoadSpec("qwen", "/q", ["qw"]))
     assert entry.state == LOADING and c.resolve("qw") is entry
     assert c.add(LoadSpec("qwen", "/q")) is entry
-    with pytest.raises(CatalogError, match="'name'"):
+    with pytest.raises(ProtocolError, match="'name'"):
         c.add(LoadSpec("qwen", "/other"))
-    with pytest.raises(CatalogError, match="'aliases'"):
+    with pytest.raises(ProtocolError, match="'aliases'"):
         c.add(LoadSpec("x", "/x", ["default"]))
     c.failed("qwen", "no such file")
     assert entry.state == FAILED and c.describe({})[-1]["error"] == "no such file"

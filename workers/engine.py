@@ -29,6 +29,7 @@ import tempfile
 import time
 from array import array
 from base64 import b64encode
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,7 +132,7 @@ def _from_encoding(fastokens: Any, enc: Any) -> Any:
     """A tiktoken.Encoding's ranks, pattern and specials, as fastokens reads them: a rank file
     written from the encoding itself, so any encoding works, named or built from a file."""
     ranks = getattr(enc, "_mergeable_ranks", None)
-    if not isinstance(ranks, dict):
+    if not isinstance(ranks, Mapping):
         raise EngineUnavailable("this tiktoken Encoding does not expose its ranks")
     lines = b"".join(b64encode(token) + b" " + str(rank).encode() + b"\n"
                      for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]))
@@ -142,6 +143,68 @@ def _from_encoding(fastokens: Any, enc: Any) -> Any:
         return fastokens.Tokenizer.from_tiktoken(path, pattern=enc._pat_str, special_tokens=dict(enc._special_tokens))
     finally:
         os.unlink(path)
+
+
+class PackedRanks(Mapping[bytes, int]):
+    """A tiktoken Encoding's `_mergeable_ranks` (token bytes -> rank) in three flat buffers instead
+    of a dict of 100-200k bytes and int objects: 26-54 MiB less per encoding, the same items.
+
+    tiktoken encodes and decodes with its own Rust copy of the ranks: the Python dict is read only
+    when something is built from it (the fingerprint, a fast engine, a pickle), never on the serving
+    path. The template (workers/zygote.py) packs the dicts of the models it holds once those are
+    built, so the pool shares a few MiB instead of the dicts. A lookup by token (rare) builds the
+    dict back, once.
+
+    >>> r = PackedRanks({b"b": 1, b"a": 0, b"cd": 5})
+    >>> list(r.items()), len(r), r[b"cd"], b"x" in r
+    ([(b'a', 0), (b'b', 1), (b'cd', 5)], 3, 5, False)
+    """
+
+    def __init__(self, ranks: Mapping[bytes, int]) -> None:
+        pairs = sorted(ranks.items(), key=lambda kv: kv[1])
+        self._blob = b"".join(token for token, _ in pairs)
+        self._ends = array("Q")
+        end = 0
+        for token, _ in pairs:
+            end += len(token)
+            self._ends.append(end)
+        self._ranks = array("Q", (rank for _, rank in pairs))
+        self._index: dict[bytes, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def _token(self, i: int) -> bytes:
+        return self._blob[self._ends[i - 1] if i else 0:self._ends[i]]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return (self._token(i) for i in range(len(self._ranks)))
+
+    def items(self) -> Iterator[tuple[bytes, int]]:  # type: ignore[override]
+        """In rank order (what the fingerprint and the rank file sort them into anyway)."""
+        return ((self._token(i), self._ranks[i]) for i in range(len(self._ranks)))
+
+    def values(self) -> Iterator[int]:  # type: ignore[override]
+        return iter(self._ranks)
+
+    def __getitem__(self, token: bytes) -> int:
+        if self._index is None:
+            self._index = dict(self.items())
+        return self._index[token]
+
+    def __reduce__(self) -> tuple:  # a pickled Encoding gets a plain dict back
+        return (dict, (list(self.items()),))
+
+
+def pack_ranks(tok: Tokenizer) -> int:
+    """Replace a tiktoken tokenizer's `_mergeable_ranks` dict with PackedRanks; how many ranks it
+    packed (0: not tiktoken, or packed already)."""
+    enc = tok.raw
+    ranks = getattr(enc, "_mergeable_ranks", None) if tok.kind == "tiktoken" else None
+    if not isinstance(ranks, dict):
+        return 0
+    enc._mergeable_ranks = PackedRanks(ranks)
+    return len(ranks)
 
 
 # --- the probes -------------------------------------------------------------------------------------

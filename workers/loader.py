@@ -198,6 +198,7 @@ class Loader:
                 continue
             if isinstance(ticket, EngineTicket) and ticket.cancelled:
                 continue
+            outcome: Outcome | EngineOutcome
             if isinstance(ticket, EngineTicket):
                 start = time.monotonic()
                 engine, reason = speed_up(ticket.tokenizer, ticket.mode, name=ticket.name)
@@ -205,9 +206,10 @@ class Loader:
             elif ticket.cancelled:
                 outcome = Outcome(ticket, None, "cancelled", 0.0)
             else:
-                outcome = load_outcome(ticket, self._cache_config)
-                log.info("model %s: %s in %.2fs", ticket.spec.name, "loaded" if outcome.model else outcome.error,
-                         outcome.seconds)
+                loaded = load_outcome(ticket, self._cache_config)
+                log.info("model %s: %s in %.2fs", ticket.spec.name, "loaded" if loaded.model else loaded.error,
+                         loaded.seconds)
+                outcome = loaded
             del ticket, item
             self._done.put(outcome)
             del outcome  # the main thread holds the only reference: unloading it frees it

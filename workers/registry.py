@@ -17,6 +17,7 @@ import logging
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tokenbroker.common.config import DEFAULT_ALIAS, EMBEDDED_DEFAULT, EMBEDDED_DEFAULT_NAME, CacheConfig, Limits, ModelConfig, ModelSpec
 from tokenbroker.common.errors import BootError, ProtocolError
@@ -94,7 +95,7 @@ class Model:
         t = self.tokenizer
         specials = sorted(s for s in t.special_tokens if len(s) <= 1024)[:MAX_SPECIAL_TOKENS]
         facts = model_facts(t)
-        bounded = {k: v[:1024] if isinstance(v, str) else v for k, v in facts.items()}
+        bounded: dict[str, Any] = {k: v[:1024] if isinstance(v, str) else v for k, v in facts.items()}
         return ModelInfo(kind=t.kind[:64], vocab_size=t.vocab_size, special_tokens=specials,
                          chat_template=self.templates is not None, cached=self.cache.enabled,
                          source=t.description[:1024], backend=t.backend, **bounded)

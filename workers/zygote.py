@@ -42,7 +42,7 @@ from tokenbroker.common.process import (
 )
 
 from .config import WorkerConfig
-from .engine import speed_up
+from .engine import pack_ranks, speed_up
 from .loader import release_memory, serve_fast
 from .registry import ModelRegistry
 
@@ -88,9 +88,14 @@ class Zygote:
             log.warning("template: %d threads still run after %.0fs (%s): forking the workers regardless",
                         thread_count(), SETTLE_WAIT_S, ", ".join(t.name for t in threading.enumerate()))
         self._speed_up()
-        for model in (*self.registry.models, *self.registry.dormant.values()):
+        held = (*self.registry.models, *self.registry.dormant.values())
+        for model in held:
             model.fingerprint  # noqa: B018 - computed once and kept on the model
             model.info()
+        # What was built from tiktoken's Python dict of ranks is built now (fingerprints, fast
+        # engines): packed, the pool holds 26-54 MiB less per encoding (workers/engine.py PackedRanks).
+        packed = sum(pack_ranks(t) for t in {id(m.tokenizer): m.tokenizer for m in held}.values())
+        log.debug("template: %d tiktoken ranks packed", packed)
         gc.collect()
         release_memory()  # the heap loading left free goes back before the fork: 1,154 -> 1,106 MiB pool PSS (9 tokenizers)
         gc.freeze()  # what exists now is never scanned (nor written to) by a worker's collector
@@ -104,13 +109,30 @@ class Zygote:
         mode = self.registry.backend_mode
         if mode == "reference":
             return
-        for tok in {id(m.tokenizer): m.tokenizer for m in (*self.registry.models, *self.registry.dormant.values())}.values():
-            if tok.fast is None and tok not in self.registry.engine_refused:
-                engine, why = speed_up(tok, mode)  # logs what it chose and why
-                if engine is not None:
-                    serve_fast(self.registry, tok, engine)
-                else:  # the workers inherit the verdict: none of them builds it again
-                    self.registry.engine_refused[tok] = why or "refused"
+        # Built and probed on a thread of its own, joined before the fork: fastokens keeps, per
+        # thread, a word cache for each of the last few models that thread encoded with (16 MiB for
+        # a ~100k vocabulary, 32 MiB for o200k). Probed here on the main thread, the template kept
+        # ~100 MiB of them that no worker reads (a worker's main thread builds its own at its first
+        # encodes, private whatever the template holds); the thread's end frees them.
+        failure: list[BaseException] = []
+
+        def build() -> None:
+            try:
+                for tok in {id(m.tokenizer): m.tokenizer for m in (*self.registry.models, *self.registry.dormant.values())}.values():
+                    if tok.fast is None and tok not in self.registry.engine_refused:
+                        engine, why = speed_up(tok, mode)  # logs what it chose and why
+                        if engine is not None:
+                            serve_fast(self.registry, tok, engine)
+                        else:  # the workers inherit the verdict: none of them builds it again
+                            self.registry.engine_refused[tok] = why or "refused"
+            except BaseException as e:  # raised in the template, as before
+                failure.append(e)
+
+        builder = threading.Thread(target=build, name="tokenbroker-speed-up")
+        builder.start()
+        builder.join()
+        if failure:
+            raise failure[0]
 
     # --- the loop ------------------------------------------------------------------------
 

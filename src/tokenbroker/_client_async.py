@@ -5,7 +5,7 @@ from __future__ import annotations
 from array import array
 from typing import Any, Mapping, Sequence
 
-import zmq.asyncio
+import zmq
 
 from . import _client_results as res
 from ._client_core import DEFAULT_ENDPOINT, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S, Core, EndpointStatus
@@ -45,12 +45,14 @@ class AsyncClient:
     def __init__(self, endpoints: str | Sequence[str] = DEFAULT_ENDPOINT, *, timeout: float = DEFAULT_TIMEOUT_S,
                  model: str | None = None, ids: res.IdsFormat = "array", liveness_s: float = DEFAULT_LIVENESS_S,
                  curve_server_key: ServerKey | None = None, curve_secret_key: SecretKey | None = None,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.Context[Any] | None = None) -> None:
         """`model`: the default for tokenize, detokenize, chat and streams (not `count`, whose model is
         the provider's); `ids`: "array" (array('I')) or "list"; `liveness_s`: how long a broker may stay
         silent while calls are outstanding before it is left; `curve_server_key`: the broker's public
         key (a `.key` file or z85 bytes) turns CURVE on; `curve_secret_key`: this client's
-        `.key_secret` file or a (public, secret) z85 pair (a fresh pair when not given)."""
+        `.key_secret` file or a (public, secret) z85 pair (a fresh pair when not given); `context`:
+        the ZeroMQ context to open sockets in (a `zmq.asyncio.Context` does too; the shared
+        `zmq.Context.instance()` when not given)."""
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         if ids not in ("array", "list"):
@@ -62,7 +64,14 @@ class AsyncClient:
         self._ids: res.IdsFormat = ids
 
     async def _ok(self, body: dict[str, Any], timeout: float | None) -> dict[str, Any]:
-        reply = await self._core.call(body, self._timeout if timeout is None else timeout)
+        """The reply map of an ok call; its error raised otherwise (one coroutine over the call's future)."""
+        core = self._core
+        call = core.submit(body, self._timeout if timeout is None else timeout)
+        try:
+            reply = await call.future
+        except BaseException:  # cancelled (or the client closed): the engine forgets the call now
+            core.discard(call)
+            raise
         if reply.get("ok") is not True:
             raise error_from_reply(reply)
         return reply
@@ -80,9 +89,15 @@ class AsyncClient:
         keeps the last) and `block_hashes` (vLLM's prefix-cache hashes: `BlockHashSpec`) add the
         reply's 1.2 fields (contract "tokenize and chat options").
         """
-        body = {"op": "tokenize", "text": text, "add_special_tokens": add_special_tokens, "tokens_format": "u32",
-                **_options(self._model_of(model), affinity),
-                **res.token_in(offsets, token_strs, truncate, truncation_side, block_hashes)}
+        body: dict[str, Any] = {"op": "tokenize", "text": text, "add_special_tokens": add_special_tokens,
+                                "tokens_format": "u32"}
+        model = self._model if model is None else model
+        if model is not None:
+            body["model"] = model
+        if affinity is not None:
+            body["affinity"] = affinity
+        if offsets or token_strs or truncate is not None or block_hashes is not None:
+            body.update(res.token_in(offsets, token_strs, truncate, truncation_side, block_hashes))
         return res.tokens(await self._ok(body, timeout), self._ids)
 
     async def tokenize_batch(self, texts: Sequence[str], *, model: str | None = None, add_special_tokens: bool = True,

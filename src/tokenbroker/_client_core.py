@@ -1,8 +1,10 @@
 """The asyncio engine under both clients: pipelined calls over one DEALER per broker, failing over.
 
 Each call gets an id from this client's counter and one future in `_calls`; replies come back in
-completion order and one reader task per socket matches them by id (a reply whose id is no
-longer pending is dropped). A call is sent to the live broker with the fewest calls outstanding,
+completion order and are matched by id (a reply whose id is no longer pending is dropped). The
+sockets are plain ZeroMQ sockets: the event loop watches each one's descriptor (`add_reader`)
+and the engine sends and receives without blocking, so neither a call nor a receive costs a
+future or a task of its own (`zmq.asyncio` spends one of each per receive). A call is sent to the live broker with the fewest calls outstanding,
 with `deadline_ms` set to what is left of its deadline, and is failed locally as `Unavailable`
 shortly after that deadline if no reply came.
 
@@ -16,7 +18,9 @@ another live broker (every op is idempotent), and it is probed until it answers 
 Coalescing (contract 1.2): the calls of one event-loop turn are held on their link and leave
 together when the turn ends (`loop.call_soon`), as one frame holding a MessagePack array of
 their maps (a lone call as its map). The broker answers such a connection with arrays of reply
-maps, decoded here in one `unpackb`; each reply still settles its own call by id.
+maps, decoded here in one `unpackb`; each reply still settles its own call by id. A receive that
+settles calls schedules the link's send at once, behind the callers it wakes: the calls they make
+next leave in the same loop turn as they are made, not one turn later.
 """
 
 from __future__ import annotations
@@ -26,17 +30,20 @@ import heapq
 import itertools
 import math
 import random
-from typing import Sequence
+from threading import get_ident
+from typing import Any, Sequence, cast
 
 import msgpack
 import zmq
-import zmq.asyncio
+
+from tokenbroker.common.config import DEFAULT_FRONTEND
+from tokenbroker.common.protocol import MAX_DEADLINE_MS
 
 from ._client_errors import Unavailable
 from ._client_keys import CurveKeys
 from ._client_link import Call, EndpointStatus, Link
 
-DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+DEFAULT_ENDPOINT = DEFAULT_FRONTEND  # the broker's own default frontend
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_LIVENESS_S = 2.0
 # The broker answers `timeout` at the deadline it was sent; give that reply this long to arrive
@@ -44,15 +51,16 @@ DEFAULT_LIVENESS_S = 2.0
 LOCAL_GRACE_S = 0.05
 BACKOFF_BASE_S = 0.005  # first `overloaded` retry waits up to this; each next one up to twice as long
 BACKOFF_MAX_S = 0.25
-MAX_DEADLINE_MS = 2**31 - 1  # the broker takes larger values as this
 COALESCE_MAX_CALLS = 256  # requests gathered in one frame, at most
 COALESCE_MAX_BYTES = 1024 * 1024  # and bytes (a request larger than this goes alone)
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: enum flags cost a Python call per `&`
+_unpackb = msgpack.unpackb
 
 
 class Core:
     """Calls in, reply maps out; knows the wire's envelope and liveness, nothing of any op's fields."""
 
-    def __init__(self, endpoints: Sequence[str], *, context: zmq.asyncio.Context | None,
+    def __init__(self, endpoints: Sequence[str], *, context: zmq.Context[Any] | None,
                  curve: CurveKeys | None, liveness_s: float) -> None:
         if not endpoints:
             raise ValueError("endpoints: give at least one broker endpoint")
@@ -76,23 +84,57 @@ class Core:
 
     # --- the hot path --------------------------------------------------------------------
 
-    async def call(self, body: dict, timeout: float) -> dict:
-        """Send `body` (an op's fields) and return the reply map, ok or not; `Unavailable` if none came."""
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop or self._closed:
-            self._start(loop)
+    def submit(self, body: dict, timeout: float) -> Call:
+        """Send `body` (an op's fields); its `future` gets the reply map, ok or not, or `Unavailable`.
+
+        Raises at once for a body MessagePack cannot hold (nothing stays pending). The caller
+        awaits `future` and calls `discard` if that await ends otherwise (cancelled)."""
+        loop = self._loop
+        # On the loop's own thread while it runs, the loop is ours: `get_running_loop()` costs a
+        # getpid() system call on CPython 3.11, so it is asked only when that does not hold.
+        if self._closed or loop is None or getattr(loop, "_thread_id", None) != get_ident():
+            loop = self._enter()
         rid = next(self._ids)
         body["id"] = rid
         now = loop.time()
         call = Call(rid, body, loop.create_future(), now + timeout, timeout)
         self._calls[rid] = call
+        live = self._live
         try:
-            self._send(call, self._pick(), now)  # raises for a body MessagePack cannot hold
-            self._watch_deadline(call)
+            self._send(call, live[0] if len(live) == 1 else self._pick(), now)
+        except BaseException:
+            self.discard(call)
+            raise
+        # One timer for all calls, at the earliest deadline (a timer per call costs more than the call).
+        expiry = call.deadline + LOCAL_GRACE_S
+        heap = self._deadlines
+        heapq.heappush(heap, (expiry, rid))
+        if expiry < self._timer_at:
+            self._arm(expiry)
+        elif len(heap) > 4 * len(self._calls) + 4096:  # answered calls' entries: drop them now and then
+            heap[:] = [(c.deadline + LOCAL_GRACE_S, c.id) for c in self._calls.values()]
+            heapq.heapify(heap)
+        return call
+
+    async def call(self, body: dict, timeout: float) -> dict:
+        """`submit`, then the reply map, ok or not; `Unavailable` if none came."""
+        call = self.submit(body, timeout)
+        try:
             return await call.future
-        finally:
-            if self._calls.pop(rid, None) is not None:  # cancelled: nothing else removed it
-                self._forget(call)
+        except BaseException:
+            self.discard(call)
+            raise
+
+    def discard(self, call: Call) -> None:
+        """Forget a call whose caller stopped waiting (cancelled); nothing if it is settled already."""
+        if self._calls.pop(call.id, None) is not None:
+            self._forget(call)
+
+    def _enter(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop or self._closed:
+            self._start(loop)
+        return loop
 
     def _pick(self) -> Link:
         live = self._live
@@ -104,7 +146,8 @@ class Core:
 
     def _send(self, call: Call, link: Link, now: float) -> None:
         body = call.body
-        body["deadline_ms"] = min(MAX_DEADLINE_MS, max(1, int((call.deadline - now) * 1000)))
+        ms = int((call.deadline - now) * 1000)
+        body["deadline_ms"] = ms if 0 < ms <= MAX_DEADLINE_MS else (1 if ms < 1 else MAX_DEADLINE_MS)
         payload = self._packer.pack(body)
         if not link.outstanding:
             link.busy_since = now
@@ -120,7 +163,8 @@ class Core:
         request goes alone), so it stays far under any broker's --max-request-bytes."""
         if link.outbox and (len(link.outbox) >= COALESCE_MAX_CALLS or link.outbox_bytes + len(payload) > COALESCE_MAX_BYTES):
             self._flush(link)
-        link.outbox.append((call, payload))
+        link.outbox.append(payload)
+        link.outbox_calls.append(call)
         link.outbox_bytes += len(payload)
         if not link.kick:
             link.kick = True
@@ -129,95 +173,103 @@ class Core:
     def _flush(self, link: Link) -> None:
         """Send what the link holds: one request as its map, several as one MessagePack array of
         them (contract 1.2), built from their packed bytes. Calls cancelled or expired since go not."""
-        held, link.outbox, link.outbox_bytes = link.outbox, [], 0
-        calls = self._calls
+        pending = self._calls
         # A cancelled call's future is done at once, before its task has run to forget it.
-        payloads = [payload for call, payload in held if call is None or (call.id in calls and not call.future.done())]
+        payloads = [p for c, p in zip(link.outbox_calls, link.outbox) if c is None or (c.id in pending and not c.future.done())]
+        link.outbox, link.outbox_calls, link.outbox_bytes = [], [], 0
         if not payloads:
             return
         frame = payloads[0] if len(payloads) == 1 else self._packer.pack_array_header(len(payloads)) + b"".join(payloads)
-        self._write(link, frame)
-
-    def _write(self, link: Link, payload: bytes) -> None:
-        """Send one frame (no delimiter frame: the reply then has one frame too, half the frames)."""
         link.frames += 1
-        try:
-            link.shadow.send(payload, zmq.NOBLOCK)  # type: ignore[union-attr]
-        except zmq.Again:  # not with an unbounded send queue, but if so let pyzmq queue it
-            link.sock.send(payload)  # type: ignore[union-attr]
+        try:  # one frame, no delimiter frame: the reply then has one frame too, half the frames
+            link.sock.send(frame, _NOBLOCK)  # type: ignore[union-attr]
+        except zmq.Again:  # not with a connected DEALER and SNDHWM 0; were it so, the frame is lost
+            pass  # like one the network lost: liveness re-sends its calls, or their deadlines fail them
 
     def _kick(self, link: Link) -> None:
         """Once per loop turn after calls were made: send them (one frame), then, since ZeroMQ's
-        descriptor is edge-triggered and a send on the shadow socket may take in a reply without
-        the descriptor saying so, read EVENTS (which re-arms it) and take in whatever is waiting."""
+        descriptor is edge-triggered and a send may take in a reply without the descriptor saying
+        so, read EVENTS (which re-arms it) and take in whatever is waiting."""
         link.kick = False
-        if link.shadow is not None:
-            if link.outbox:
-                self._flush(link)
-            self._drain(link, link.shadow)
+        sock = link.sock
+        if sock is not None and link.outbox:
+            self._flush(link)
+            if cast(int, sock.get(_EVENTS)) & _POLLIN:
+                self._drain(link)
 
-    async def _read(self, link: Link, sock: zmq.asyncio.Socket, shadow: zmq.Socket) -> None:
-        """The one reader task of `sock`: wait for a reply, then drain every one already there."""
-        while True:
-            self._on_reply(link, await sock.recv())  # type: ignore[arg-type]
-            self._drain(link, shadow)
-
-    def _drain(self, link: Link, shadow: zmq.Socket) -> None:
-        """Take in every reply already waiting. EVENTS first: reading it is half the cost of the
-        `Again` a recv with nothing there raises, and most turns find at most one reply."""
-        if not shadow.get(zmq.EVENTS) & zmq.POLLIN:
+    def _drain(self, link: Link) -> None:
+        """Take in every frame waiting (the loop's reader calls this when the descriptor is
+        readable). Receiving until `Again` leaves the descriptor armed for the next frame; a
+        receive that settled calls schedules the link's send behind the callers it woke (see
+        the module's docstring)."""
+        sock = link.sock
+        if sock is None:
             return
+        recv = sock.recv
+        settled = 0
         while True:
             try:
-                payload = shadow.recv(zmq.NOBLOCK)
+                payload = recv(_NOBLOCK)
             except zmq.Again:
+                break
+            settled += self._on_frame(link, payload)
+            if link.sock is not sock:  # pragma: no cover - nothing on the receive path reconnects
                 return
-            self._on_reply(link, payload)
+        if settled and not link.kick:
+            link.kick = True
+            self._loop.call_soon(self._kick, link)  # type: ignore[union-attr]
 
-    def _on_reply(self, link: Link, payload: bytes) -> None:
+    def _on_frame(self, link: Link, payload: bytes) -> int:
         """One frame: a reply map, or (to a client that sent arrays) an array of them, decoded in
-        one go. Requests go without a delimiter, so each frame is a payload alone."""
+        one go; how many calls it settled. Requests go without a delimiter, so each frame is a
+        payload alone."""
         now = self._loop.time()  # type: ignore[union-attr]
         link.heard = now
         if not payload:  # a delimiter: not ours to send, yet harmless to skip
-            return
+            return 0
         if not link.alive:
             self._revive(link)
         try:
-            replies = msgpack.unpackb(payload, raw=False, strict_map_key=False)  # columnar stream replies key `stops` by index
+            replies = _unpackb(payload, raw=False, strict_map_key=False)  # columnar stream replies key `stops` by index
         except Exception:  # not ours to judge: a reply we cannot read is dropped like a stray one
             link.dropped += 1
-            return
+            return 0
         if type(replies) is dict:
-            self._on_reply_map(link, replies, now)
-        elif type(replies) is list:
-            for reply in replies:
-                if type(reply) is dict:
-                    self._on_reply_map(link, reply, now)
+            replies = (replies,)
+        elif type(replies) is not list:
+            link.dropped += 1
+            return 0
+        calls = self._calls
+        settled = 0
+        for reply in replies:
+            if type(reply) is not dict:
+                link.dropped += 1
+                continue
+            rid: Any = reply.get("id")
+            try:
+                call = calls.get(rid)
+            except TypeError:  # an unhashable id: not one of ours
+                call = None
+            if call is None:
+                if rid is not None and rid == link.probe_id:
+                    link.probe_id = None
                 else:
                     link.dropped += 1
-        else:
-            link.dropped += 1
-
-    def _on_reply_map(self, link: Link, reply: dict, now: float) -> None:
-        rid = reply.get("id")
-        if rid is not None and rid == link.probe_id:
-            link.probe_id = None
-            return
-        try:
-            call = self._calls.get(rid)
-        except TypeError:  # an unhashable id: not one of ours
-            call = None
-        if call is None:
-            link.dropped += 1
-            return
-        if reply.get("ok") is not True and (reply.get("error") or {}).get("code") == "overloaded":
-            if self._backoff(call, link, now):
-                return
-        del self._calls[rid]
-        self._forget(call)
-        if not call.future.done():
-            call.future.set_result(reply)
+                continue
+            if reply.get("ok") is not True and (reply.get("error") or {}).get("code") == "overloaded":
+                if self._backoff(call, link, now):
+                    continue
+            del calls[rid]
+            owner = call.link
+            if owner is not None:
+                owner.outstanding.pop(rid, None)
+            if call.retry is not None:
+                call.retry.cancel()
+            future = call.future
+            if not future.done():
+                future.set_result(reply)
+                settled += 1
+        return settled
 
     def _forget(self, call: Call) -> None:
         """Drop every reference the engine holds to a call that is answered, expired or cancelled."""
@@ -250,19 +302,12 @@ class Core:
         target = min(others, key=lambda link: len(link.outstanding)) if others else self._pick()
         self._send(call, target, self._loop.time())  # type: ignore[union-attr]
 
-    def _watch_deadline(self, call: Call) -> None:
-        """One timer for all calls, at the earliest deadline (a timer per call costs more than the call)."""
-        expiry = call.deadline + LOCAL_GRACE_S
-        heap = self._deadlines
-        heapq.heappush(heap, (expiry, call.id))
-        if len(heap) > 4 * len(self._calls) + 4096:  # answered calls' entries: drop them now and then
-            heap[:] = [(c.deadline + LOCAL_GRACE_S, c.id) for c in self._calls.values()]
-            heapq.heapify(heap)
-        if expiry < self._timer_at:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer_at = expiry
-            self._timer = self._loop.call_at(expiry, self._on_deadlines)  # type: ignore[union-attr]
+    def _arm(self, expiry: float) -> None:
+        """The one deadline timer, moved earlier to `expiry`."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = expiry
+        self._timer = self._loop.call_at(expiry, self._on_deadlines)  # type: ignore[union-attr]
 
     def _on_deadlines(self) -> None:
         self._timer, self._timer_at = None, math.inf
@@ -349,7 +394,7 @@ class Core:
                     self._send(call, link, now)
 
     def _reconnect(self, link: Link, now: float) -> None:
-        link.close()
+        link.close(self._loop)
         self._open_link(link)
         link.left_at = now
         link.probe_id = None
@@ -364,14 +409,30 @@ class Core:
             raise RuntimeError("this client serves the event loop it first ran on; make one client per loop")
         self._loop = loop
         if self._context is None:
-            self._context = zmq.asyncio.Context.instance()
+            self._context = zmq.Context.instance()
         for link in self._links:
             self._open_link(link)
         self._watcher = self._loop.create_task(self._watch())
 
     def _open_link(self, link: Link) -> None:
         link.open(self._context, self._curve)  # type: ignore[arg-type]
-        link.reader = self._loop.create_task(self._read(link, link.sock, link.shadow))  # type: ignore[union-attr,arg-type]
+        sock, loop = link.sock, self._loop
+        assert sock is not None and loop is not None  # open() made the socket; the loop is running
+        fd = cast(int, sock.getsockopt(zmq.FD))
+        try:
+            loop.add_reader(fd, self._drain, link)
+            link.fd = fd
+        except NotImplementedError:  # a loop that cannot watch descriptors (Windows' proactor)
+            link.poller = loop.create_task(self._poll(link, sock))
+
+    async def _poll(self, link: Link, sock: zmq.Socket) -> None:
+        """Where the loop has no `add_reader`: wait with `zmq.asyncio` (its own selector thread), drain as the reader would."""
+        import zmq.asyncio
+
+        watched = zmq.asyncio.Socket.shadow(sock.underlying)
+        while True:
+            await watched.poll(None, zmq.POLLIN)  # type: ignore[call-arg]  # pyzmq's stub omits the flags
+            self._drain(link)
 
     def status(self) -> list[EndpointStatus]:
         return [link.status() for link in self._links]
@@ -381,7 +442,7 @@ class Core:
         return len(self._calls)
 
     async def aclose(self) -> None:
-        """Fail what is pending as `Unavailable`, stop the tasks, close the sockets."""
+        """Fail what is pending as `Unavailable`, stop watching, close the sockets."""
         self._closed = True
         for call in list(self._calls.values()):
             self._calls.pop(call.id, None)
@@ -394,10 +455,9 @@ class Core:
             self._timer.cancel()
             self._timer = None
         self._deadlines.clear()
-        tasks = [t for t in [self._watcher, *(link.reader for link in self._links)] if t is not None]
+        tasks = [t for t in [self._watcher, *(link.poller for link in self._links)] if t is not None]
         for link in self._links:
-            link.close()
+            link.close(self._loop)
         self._watcher = None
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-

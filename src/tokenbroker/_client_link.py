@@ -1,16 +1,17 @@
 """One pending call and one broker endpoint as the engine (`_client_core`) keeps them.
 
-A `Link` is a broker's DEALER socket (the asyncio socket its reader task awaits, and a sync shadow
-of it for sends and draining without a future each), its liveness clock and its counters.
+A `Link` is a broker's DEALER socket (a plain, synchronous `zmq.Socket`: the engine waits on its
+descriptor with the event loop's own reader, and sends and receives without blocking, so no call
+and no receive costs a future of its own), its liveness clock and its counters.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from ._client_keys import CurveKeys
 
@@ -46,12 +47,12 @@ class EndpointStatus:
 
 @dataclass(eq=False)
 class Link:
-    """One broker endpoint: its DEALER (async, plus a sync shadow for draining), reader and liveness."""
+    """One broker endpoint: its DEALER, how the loop watches it, and its liveness."""
 
     endpoint: str
-    sock: zmq.asyncio.Socket | None = None
-    shadow: zmq.Socket | None = None
-    reader: asyncio.Task | None = None
+    sock: zmq.Socket | None = None
+    fd: int | None = None  # the descriptor the loop's reader watches (None: not watched)
+    poller: asyncio.Task | None = None  # a loop without add_reader (Windows' proactor): a task polls instead
     alive: bool = True
     heard: float = 0.0  # loop time of the last frame received
     busy_since: float = 0.0  # loop time its outstanding calls went from none to some
@@ -59,7 +60,8 @@ class Link:
     probe_id: int | None = None
     probe_sent: float = 0.0
     kick: bool = False  # a `_kick` is scheduled for this loop turn: it sends `outbox`, then drains
-    outbox: list[tuple[Call | None, bytes]] = field(default_factory=list)  # (call, payload) this turn; None: a probe
+    outbox: list[bytes] = field(default_factory=list)  # the payloads held for this turn's frame
+    outbox_calls: list[Call | None] = field(default_factory=list)  # their calls (None: a probe)
     outbox_bytes: int = 0
     outstanding: dict[int, Call] = field(default_factory=dict)
     sent: int = 0
@@ -73,9 +75,9 @@ class Link:
         return EndpointStatus(self.endpoint, self.alive, len(self.outstanding), self.sent, self.resent,
                               self.retried, self.dropped, self.left, self.frames)
 
-    def open(self, context: zmq.asyncio.Context, curve: CurveKeys | None) -> None:
-        """A fresh DEALER connected to the endpoint (the reader task is the engine's to start)."""
-        sock = context.socket(zmq.DEALER)
+    def open(self, context: zmq.Context[Any], curve: CurveKeys | None) -> None:
+        """A fresh DEALER connected to the endpoint (watching it is the engine's to start)."""
+        sock: zmq.Socket = context.socket(zmq.DEALER, socket_class=zmq.Socket)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the calls pending, which the caller bounds
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -83,15 +85,19 @@ class Link:
             curve.apply(sock)
         sock.connect(self.endpoint)
         self.sock = sock
-        self.shadow = zmq.Socket.shadow(sock.underlying)
 
-    def close(self) -> None:
-        """Stop the reader and close the socket: requests queued in it and late replies die with it."""
-        if self.reader is not None:
-            self.reader.cancel()
-            self.reader = None
+    def close(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Stop watching and close the socket: requests queued in it and late replies die with it."""
+        if self.fd is not None:
+            if loop is not None and not loop.is_closed():
+                loop.remove_reader(self.fd)
+            self.fd = None
+        if self.poller is not None:
+            self.poller.cancel()
+            self.poller = None
         if self.sock is not None:
             self.sock.close(linger=0)
-            self.sock = self.shadow = None
+            self.sock = None
         self.outbox.clear()  # what it held is re-sent from `outstanding` by whoever closed it
+        self.outbox_calls.clear()
         self.outbox_bytes = 0

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 from array import array
-from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence, Union
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Literal, Sequence, TypeVar, Union
 
 IdsFormat = Literal["array", "list"]
 Ids = Union["array[int]", list[int]]
@@ -67,7 +67,7 @@ class Offsets:
             raise IndexError("offset index out of range")
         return self.flat[2 * i], self.flat[2 * i + 1]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self):
         it = iter(self.flat)
         return zip(it, it)
 
@@ -113,7 +113,7 @@ class BlockHashes:
             raise IndexError("block index out of range")
         return self.raw[self.DIGEST * i:self.DIGEST * (i + 1)]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self):
         return (self.raw[i:i + self.DIGEST] for i in range(0, len(self.raw), self.DIGEST))
 
     def ints(self) -> list[int]:
@@ -146,6 +146,26 @@ def _each(value: Any, convert: Any) -> list | None:
     return [convert(v) for v in value] if value is not None else None
 
 
+C = TypeVar("C")
+
+
+def _builder(cls: type[C]) -> Callable[..., C]:
+    """A constructor for a frozen slots dataclass, every field positional, that builds the very
+    instance `cls(...)` does (none of these has a __post_init__) at a third of the cost: a frozen
+    `__init__` sets each field through `object.__setattr__`, which costs more than the rest of
+    reading a reply. A twin class with the same slots sets them with plain stores, then turns the
+    instance into a `cls` (the same layout, so Python allows the `__class__` change)."""
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    assert tuple(names) == cls.__slots__, cls  # type: ignore[attr-defined]
+    stores = "".join(f"        self.{n} = {n}\n" for n in names)
+    env: dict[str, Any] = {"_cls": cls}
+    exec(f"class Twin:\n    __slots__ = {tuple(names)!r}\n    def __init__(self, {', '.join(names)}):\n"
+         f"{stores}        self.__class__ = _cls\n", env)
+    twin = env["Twin"]
+    twin.__qualname__ = twin.__name__ = f"_{cls.__name__}Twin"
+    return twin
+
+
 @dataclass(frozen=True, slots=True)
 class CacheInfo:
     """Which cache layers served it: `l0` "hit" | "miss" | "off"; ids taken from L1."""
@@ -154,9 +174,26 @@ class CacheInfo:
     l1_reused_tokens: int
 
 
+_CACHE_INFOS: dict[tuple[Any, Any], CacheInfo] = {}  # a few distinct values recur on every reply: built once each
+_CACHE_INFOS_MAX = 4096
+
+
 def _cache(reply: dict) -> CacheInfo | None:
     c = reply.get("cache")
-    return CacheInfo(c["l0"], c["l1_reused_tokens"]) if isinstance(c, dict) else None
+    return None if c is None else _cache_info(c)
+
+
+def _cache_info(c: Any) -> CacheInfo | None:
+    if not isinstance(c, dict):
+        return None
+    key = (c["l0"], c["l1_reused_tokens"])
+    try:
+        return _CACHE_INFOS[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable value, from a broker not ours to judge
+        info = CacheInfo(*key)
+        if type(key[0]) is str and type(key[1]) is int and len(_CACHE_INFOS) < _CACHE_INFOS_MAX:
+            _CACHE_INFOS[key] = info
+        return info
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,10 +316,28 @@ class RemovedModel:
     removed: bool
 
 
+_build_tokens = _builder(Tokens)
+_build_chat_tokens = _builder(ChatTokens)
+_build_text = _builder(Text)
+
+
+_EMPTY_U32 = array("I")
+
+
 def tokens(reply: dict, ids: IdsFormat) -> Tokens:
-    return Tokens(ids_from_wire(reply["tokens"], ids), reply["count"], reply.get("worker", ""), _cache(reply),
-                  _offsets(reply.get("offsets")), reply.get("token_strs"), reply.get("truncated"),
-                  _hashes(reply.get("block_hashes")))
+    # The hot path of every tokenize call, written out: a u32 bin becomes an array('I') in one copy.
+    value = reply["tokens"]
+    got: Ids
+    if type(value) is bytes and ids == "array" and not _BIG_ENDIAN_HOST:
+        u32 = _EMPTY_U32[:]
+        u32.frombytes(value)
+        got = u32
+    else:
+        got = ids_from_wire(value, ids)
+    cache, offsets, hashes = reply.get("cache"), reply.get("offsets"), reply.get("block_hashes")
+    return _build_tokens(got, reply["count"], reply.get("worker", ""), None if cache is None else _cache_info(cache),
+                         None if offsets is None else _offsets(offsets), reply.get("token_strs"),
+                         reply.get("truncated"), None if hashes is None else _hashes(hashes))
 
 
 def tokens_batch(reply: dict, ids: IdsFormat) -> TokensBatch:
@@ -292,7 +347,7 @@ def tokens_batch(reply: dict, ids: IdsFormat) -> TokensBatch:
 
 
 def text(reply: dict) -> Text:
-    return Text(reply["text"], reply.get("worker", ""))
+    return _build_text(reply["text"], reply.get("worker", ""))
 
 
 def text_batch(reply: dict) -> TextBatch:
@@ -300,9 +355,11 @@ def text_batch(reply: dict) -> TextBatch:
 
 
 def chat_tokens(reply: dict, ids: IdsFormat) -> ChatTokens:
-    return ChatTokens(ids_from_wire(reply["tokens"], ids), reply["count"], reply.get("prompt"),
-                      reply.get("worker", ""), _cache(reply), _offsets(reply.get("offsets")), reply.get("token_strs"),
-                      reply.get("truncated"), _hashes(reply.get("block_hashes")))
+    offsets, hashes = reply.get("offsets"), reply.get("block_hashes")
+    return _build_chat_tokens(ids_from_wire(reply["tokens"], ids), reply["count"], reply.get("prompt"),
+                              reply.get("worker", ""), _cache(reply), None if offsets is None else _offsets(offsets),
+                              reply.get("token_strs"), reply.get("truncated"),
+                              None if hashes is None else _hashes(hashes))
 
 
 def count(reply: dict) -> Count:

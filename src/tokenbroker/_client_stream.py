@@ -290,8 +290,8 @@ class StreamBook(Generic[K]):
         finals = list(dict.fromkeys(final)) if final else []
         keys = list(steps) if not finals else list(steps) + [k for k in finals if k not in steps]
         if not self.columnar:
-            row_keys, seqs = self.build(steps, finals)
-            return _Plan([], None, row_keys, seqs, False)
+            row_keys, row_seqs = self.build(steps, finals)
+            return _Plan([], None, row_keys, row_seqs, False)
         if keys == self._order:  # the common step: every open sequence, in the buffer's order
             col_keys, row_keys, states, state_lengths, same = keys, [], self._states, self._state_lengths, True
         else:
@@ -307,7 +307,7 @@ class StreamBook(Generic[K]):
             pieces = self._state_pieces()
             chosen = [pieces[where[k]] if k in where else b"" for k in col_keys]
             states, state_lengths, same = b"".join(chosen), _u32(map(len, chosen)), False
-        seqs: list[dict[str, Any]] = []
+        seqs = []
         if row_keys:
             final_set = set(finals)
             for k in row_keys:

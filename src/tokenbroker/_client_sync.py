@@ -10,17 +10,39 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
-from typing import Any, Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Concatenate, Coroutine, Iterable, ParamSpec, Sequence, TypeVar
 
 from . import _client_results as res
-from ._client_async import AsyncClient, IdsIn
-from ._client_core import DEFAULT_ENDPOINT, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S, EndpointStatus
+from ._client_async import AsyncClient
+from ._client_core import DEFAULT_ENDPOINT, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S
 from ._client_keys import SecretKey, ServerKey
 from ._client_stream import DetokenizeStream
 
 T = TypeVar("T")
 A = TypeVar("A")
+P = ParamSpec("P")
+
+
+def _sync(method: Callable[Concatenate[AsyncClient, P], Awaitable[T]]) -> Callable[Concatenate["Client", P], T]:
+    """`Client`'s twin of an `AsyncClient` coroutine method: the same parameters (type checkers see
+    them through the ParamSpec, `inspect.signature` and `help` through `__wrapped__`), run on the
+    I/O thread. The coroutine is built in the caller's thread, so a wrong argument raises there."""
+    @functools.wraps(method)
+    def call(self: "Client", /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(method(self.aio, *args, **kwargs))  # type: ignore[arg-type]
+
+    return call
+
+
+def _on_loop(method: Callable[[AsyncClient], T]) -> Callable[["Client"], T]:
+    """A plain `AsyncClient` method read on the I/O thread (the engine's state is that thread's)."""
+    @functools.wraps(method)
+    def call(self: "Client") -> T:
+        return self._loop_call(functools.partial(method, self.aio))
+
+    return call
 
 
 class Client:
@@ -75,64 +97,21 @@ class Client:
 
         return self._run(gather())
 
-    # --- one method per op ---------------------------------------------------------------
+    # --- one method per op, made from AsyncClient's (signature, annotations and docs kept) ------
 
-    def tokenize(self, text: str, *, model: str | None = None, add_special_tokens: bool = True,
-                 affinity: str | None = None, timeout: float | None = None, offsets: bool = False,
-                 token_strs: bool = False, truncate: int | None = None, truncation_side: str = "left",
-                 block_hashes: res.BlockHashSpec | None = None) -> res.Tokens:
-        return self._run(self.aio.tokenize(text, model=model, add_special_tokens=add_special_tokens,
-                                           affinity=affinity, timeout=timeout, offsets=offsets, token_strs=token_strs,
-                                           truncate=truncate, truncation_side=truncation_side, block_hashes=block_hashes))
-
-    def tokenize_batch(self, texts: Sequence[str], *, model: str | None = None, add_special_tokens: bool = True,
-                       affinity: str | None = None, timeout: float | None = None, offsets: bool = False,
-                       token_strs: bool = False, truncate: int | None = None, truncation_side: str = "left",
-                       block_hashes: res.BlockHashSpec | None = None) -> res.TokensBatch:
-        return self._run(self.aio.tokenize_batch(texts, model=model, add_special_tokens=add_special_tokens,
-                                                 affinity=affinity, timeout=timeout, offsets=offsets,
-                                                 token_strs=token_strs, truncate=truncate,
-                                                 truncation_side=truncation_side, block_hashes=block_hashes))
-
-    def detokenize(self, tokens: IdsIn, *, model: str | None = None, skip_special_tokens: bool = True,
-                   timeout: float | None = None) -> res.Text:
-        return self._run(self.aio.detokenize(tokens, model=model, skip_special_tokens=skip_special_tokens,
-                                             timeout=timeout))
-
-    def detokenize_batch(self, batch: Sequence[IdsIn], *, model: str | None = None, skip_special_tokens: bool = True,
-                         timeout: float | None = None) -> res.TextBatch:
-        return self._run(self.aio.detokenize_batch(batch, model=model, skip_special_tokens=skip_special_tokens,
-                                                   timeout=timeout))
-
-    def chat(self, messages: Sequence[Mapping[str, Any]], *, model: str | None = None,
-             tools: Sequence[Any] | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
-             return_prompt: bool = False, affinity: str | None = None, timeout: float | None = None,
-             offsets: bool = False, token_strs: bool = False, truncate: int | None = None,
-             truncation_side: str = "left", block_hashes: res.BlockHashSpec | None = None) -> res.ChatTokens:
-        return self._run(self.aio.chat(messages, model=model, tools=tools, add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message,
-                                       chat_template_kwargs=chat_template_kwargs, return_prompt=return_prompt,
-                                       affinity=affinity, timeout=timeout, offsets=offsets, token_strs=token_strs,
-                                       truncate=truncate, truncation_side=truncation_side, block_hashes=block_hashes))
-
-    def count(self, body: Mapping[str, Any] | str | bytes, *, model: str | None = None, format: str | None = None,
-              strict: bool = False, timeout: float | None = None) -> res.Count:
-        return self._run(self.aio.count(body, model=model, format=format, strict=strict, timeout=timeout))
-
-    def models(self, *, timeout: float | None = None) -> list[res.ModelInfo]:
-        return self._run(self.aio.models(timeout=timeout))
-
-    def ping(self, *, timeout: float | None = None) -> res.Pong:
-        return self._run(self.aio.ping(timeout=timeout))
-
-    def add_model(self, name: str, source: str, *, aliases: Sequence[str] = (), chat_template: str | None = None,
-                  timeout: float | None = None) -> res.ModelState:
-        return self._run(self.aio.add_model(name, source, aliases=aliases, chat_template=chat_template,
-                                            timeout=timeout))
-
-    def remove_model(self, name: str, *, timeout: float | None = None) -> res.RemovedModel:
-        return self._run(self.aio.remove_model(name, timeout=timeout))
+    tokenize = _sync(AsyncClient.tokenize)
+    tokenize_batch = _sync(AsyncClient.tokenize_batch)
+    detokenize = _sync(AsyncClient.detokenize)
+    detokenize_batch = _sync(AsyncClient.detokenize_batch)
+    chat = _sync(AsyncClient.chat)
+    count = _sync(AsyncClient.count)
+    models = _sync(AsyncClient.models)
+    ping = _sync(AsyncClient.ping)
+    add_model = _sync(AsyncClient.add_model)
+    remove_model = _sync(AsyncClient.remove_model)
+    request = _sync(AsyncClient.request)
+    status = _on_loop(AsyncClient.status)
+    pending = _on_loop(AsyncClient.pending)
 
     def detokenize_stream(self, *, model: str | None = None, timeout: float | None = None) -> DetokenizeStream:
         """A helper that carries each open sequence's `state`: `open()` them, then `step(...)`."""
@@ -140,16 +119,6 @@ class Client:
             return self._run(self.aio._request_body(body, step_timeout))
 
         return DetokenizeStream(call, model=self.aio._model_of(model), timeout=timeout)
-
-    def request(self, op: str, fields: Mapping[str, Any] | None = None, *, timeout: float | None = None) -> dict:
-        """Any op with its raw fields; the reply map as it came, ok or not."""
-        return self._run(self.aio.request(op, fields, timeout=timeout))
-
-    def status(self) -> list[EndpointStatus]:
-        return self._loop_call(self.aio.status)
-
-    def pending(self) -> int:
-        return self._loop_call(self.aio.pending)
 
     def _loop_call(self, fn: Callable[[], T]) -> T:
         async def run() -> T:

@@ -105,6 +105,7 @@ class StreamDecoder:
         self._recent: dict[bytes, tuple] = {}
         # one token that stands in for any context ending in a released non-byte token (see stream/vocab.py)
         found = None if self.table is not None else anchor_token(raw, self.vocab_size, self.skip_ids | frozenset(self.byte_ids))
+        self.anchor: int | None
         self.anchor, self.anchor_len = found if found is not None else (None, -1)
         # a byte token no byte completes, standing in for a byte group that is already invalid
         self.invalid_byte_id = min((i for i, b in self.byte_ids.items() if b >= 0xF8 or 0x80 <= b < 0xC0), default=None)
@@ -236,7 +237,7 @@ class StreamDecoder:
         default = (_DEFAULT_OPTIONS, b"", "")
         texts: list[bytes] = []
         states: list[bytes] = []
-        finished, stops = bytearray(c.n), {}
+        finished, stops = bytearray(c.n), dict[int, str | int]()
         fast_texts = False  # some text is raw table bytes, not yet checked to be valid UTF-8
         plain_state, plain_text = self.plain_state, self.plain_text
         add_text, add_state = texts.append, states.append
