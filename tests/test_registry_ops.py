@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import msgpack
 import pytest
 
 from helpers import BERT_DIR, serve_payload
 from tokenbroker.common.config import CacheConfig, ModelConfig, ModelSpec
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.workers.ops import Ops
+from tokenbroker.common.protocol import parse_request
+from tokenbroker.workers.engine import build_fast
+from tokenbroker.workers.ops import Ops, PendingJob
 from tokenbroker.workers.registry import ModelRegistry
 
 
@@ -47,3 +52,38 @@ def test_reply_echoes_the_id_bytes_untouched():
         assert len(decoded) < 16 and decoded["id"] == msgpack.unpackb(raw_id, raw=False)
         # a fixmap header for the reply's own keys, then `id` first with the request's bytes as they came
         assert reply.startswith(bytes([0x80 | len(decoded)]) + msgpack.packb("id") + raw_id)
+
+
+
+@pytest.mark.parametrize("source", [str(BERT_DIR), "embedded:deepseek"], ids=["reference", "fastokens"])
+def test_a_round_of_u32_tokenizes_packed_from_the_engine_buffer_equals_each_served_alone(source):
+    """Ops.run packs a round's plain u32 tokenize replies from one flat buffer; each is byte for byte
+    the reply of the same request served alone, whatever its id's form and place in the map, and a
+    reply over --max-reply-bytes is too_large as it would be alone."""
+    registry = ModelRegistry(ModelConfig(models=(ModelSpec("m", source),)))
+    if source.startswith("embedded"):
+        registry.models[0].tokenizer.fast = build_fast(registry.models[0].tokenizer)
+    texts = ["", "a", "hello world " * 30, "x" * 300, "é" * 20000]
+    payloads = []
+    for rid in (None, 1, 300, -3, 2**40, 2.5, "abc", "é" * 40, b"\x01\x02", True):
+        for k, text in enumerate(texts):
+            body = {"op": "tokenize", "text": text, "tokens_format": "u32"}
+            if rid is not None:
+                body = {"id": rid, **body} if k % 2 else {**body, "id": rid}  # first or last
+            payloads.append(msgpack.packb(body, use_bin_type=True))
+    # an id in a wider form than needed, in the middle of the map: echoed as it came
+    payloads.append(b"\x84" + msgpack.packb("text") + msgpack.packb("hi") + b"\xa2id\xcf" + bytes(7) + b"\x05"
+                    + msgpack.packb("tokens_format") + msgpack.packb("u32") + msgpack.packb("op") + msgpack.packb("tokenize"))
+    ops = Ops(registry, "w")
+    out = ops.run([PendingJob(i, 0, time.monotonic(), p) for i, p in enumerate(payloads)])
+    assert [job_id for job_id, _, _ in out] == list(range(len(payloads)))
+    alone = Ops(registry, "w")
+    for (_, outcome, reply), payload in zip(out, payloads):
+        assert (reply, outcome) == alone._serve(parse_request(payload), len(payload))
+    assert out[-1][2].startswith(b"\x86\xa2id\xcf" + bytes(7) + b"\x05")
+    assert all(outcome == "ok" for _, outcome, _ in out)
+    fits = len(out[3][2])
+    for limit, want in ((fits, "ok"), (fits - 1, "too_large"), (8, "too_large")):  # the reply, then the ids' budget
+        ops.limits = replace(registry.limits, max_reply_bytes=limit)
+        (_, outcome, reply), = ops.run([PendingJob(0, 0, time.monotonic(), payloads[3])])
+        assert outcome == want and msgpack.unpackb(reply, raw=False)["ok"] == (want == "ok"), limit

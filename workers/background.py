@@ -104,6 +104,8 @@ class Lane:
 
     def watch(self, now: float) -> bool:
         """Give up on the running call if it is overdue (see the module's docstring); True if it did."""
+        if self._running is None:  # the round loop looks every turn: an idle lane costs no lock (a call
+            return False           # that starts meanwhile is looked at next turn, long before its grace ends)
         with self._lock:
             running = self._running
             if running is None or running.deadline is None or now < running.deadline + self.grace_s:

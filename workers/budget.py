@@ -25,7 +25,7 @@ from tokenbroker.common.errors import ProtocolError
 
 from .tokenizers import check_ids
 
-_ITEM_OVERHEAD = 5  # a str/bin/array header in MessagePack: at most 5 bytes
+ITEM_OVERHEAD = 5  # a str/bin/array header in MessagePack: at most 5 bytes
 _SUM_CHUNK = 1 << 16  # ids summed per step, so a hopeless request stops early
 
 
@@ -47,7 +47,7 @@ class DecodedLengths:
 
     def __init__(self, tokenizer: Any) -> None:
         self.vocab_size = tokenizer.vocab_size
-        self.unassigned = getattr(tokenizer, "unassigned", frozenset())
+        self.unassigned: frozenset[int] = getattr(tokenizer, "unassigned", frozenset())
         self.table = list(_lengths(tokenizer))  # a list: its items are cached small ints, read 4x faster than an array's
         self.longest = max(self.table, default=0)
 
@@ -104,7 +104,7 @@ def list_wire_bytes(ids: Sequence[int]) -> int:
     """The MessagePack size of ids as a list of ints (1, 2, 3 or 5 bytes each; ~80 ns per id), its
     header counted as 5 bytes (at most)."""
     n = len(ids)
-    return n + sum(map((127).__lt__, ids)) + sum(map((255).__lt__, ids)) + 2 * sum(map((65535).__lt__, ids)) + _ITEM_OVERHEAD
+    return n + sum(map((127).__lt__, ids)) + sum(map((255).__lt__, ids)) + 2 * sum(map((65535).__lt__, ids)) + ITEM_OVERHEAD
 
 
 class ReplyBudget:
@@ -119,7 +119,7 @@ class ReplyBudget:
         self.limit = limit
         self.exact_used = 0
         self.loose_used = 0
-        self._pending: list[Callable[[], int]] = []  # exact sizes of the parts charged loosely
+        self._pending: list[Callable[[], int]] | None = []  # exact sizes of the parts charged loosely
 
     def charge(self, loose: int, exact: Callable[[], int], what: str) -> None:
         if self._pending is not None and self.exact_used + self.loose_used + loose <= self.limit:
@@ -137,19 +137,19 @@ class ReplyBudget:
     def charge_ids(self, ids: Sequence[int], fmt: str, what: str = "its token ids") -> None:
         """Token ids about to go in the reply, as a u32 bin (exact: 4 bytes each) or a list."""
         if fmt == "u32":
-            size = 4 * len(ids) + _ITEM_OVERHEAD
+            size = 4 * len(ids) + ITEM_OVERHEAD
             self.charge(size, lambda: size, what)
         else:
-            self.charge(5 * len(ids) + _ITEM_OVERHEAD, lambda: list_wire_bytes(ids), what)
+            self.charge(5 * len(ids) + ITEM_OVERHEAD, lambda: list_wire_bytes(ids), what)
 
     def charge_count(self, count: int, tokens: Any, fmt: str, what: str = "its token ids") -> None:
         """`count` numbers about to go in the reply: exact for u32 (4 bytes each); a list is charged at
         5 bytes each (the most a uint32 takes in MessagePack), or exactly from `tokens` when given."""
         if fmt == "u32":
-            size = 4 * count + _ITEM_OVERHEAD
+            size = 4 * count + ITEM_OVERHEAD
             self.charge(size, lambda: size, what)
         elif tokens is None:
-            size = 5 * count + _ITEM_OVERHEAD
+            size = 5 * count + ITEM_OVERHEAD
             self.charge(size, lambda: size, what)
         else:
             self.charge_ids(tokens, fmt, what)
@@ -157,8 +157,8 @@ class ReplyBudget:
     def charge_decoded(self, tokenizer: Any, ids: Sequence[int], what: str = "the decoded text") -> None:
         """The text `ids` decode to, before decoding them."""
         table = decoded_lengths(tokenizer)
-        self.charge(table.loose(ids) + _ITEM_OVERHEAD, lambda: table.exact(ids, self.limit) + _ITEM_OVERHEAD, what)
+        self.charge(table.loose(ids) + ITEM_OVERHEAD, lambda: table.exact(ids, self.limit) + ITEM_OVERHEAD, what)
 
     def charge_text(self, text: str, what: str) -> None:
-        size = 4 * len(text) + _ITEM_OVERHEAD  # UTF-8 takes at most 4 bytes per code point
-        self.charge(size, lambda: len(text.encode("utf-8", "surrogatepass")) + _ITEM_OVERHEAD, what)
+        size = 4 * len(text) + ITEM_OVERHEAD  # UTF-8 takes at most 4 bytes per code point
+        self.charge(size, lambda: len(text.encode("utf-8", "surrogatepass")) + ITEM_OVERHEAD, what)

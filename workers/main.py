@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Any, cast
 
 import zmq
 
@@ -77,6 +78,30 @@ WATCHDOG_GRACE_S = 2.0  # a round may run this long past its jobs' budgets befor
 LARGE_FRAME = 1 << 16  # frames longer than this are taken as views of ZeroMQ's buffer, never copied
 PSS_EVERY_S = 5.0  # PSS is read at most this often (a page-table walk), RSS with every heartbeat
 LANE_DRAIN_S = 11.0  # leaving, a worker waits this long for its renders and encodes (a render's budget is 10 s)
+
+
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+_raw_send: Any = zmq.backend.Socket.send  # the Cython methods under pyzmq's Python wrappers: send_multipart
+_raw_recv: Any = zmq.backend.Socket.recv  # and recv_multipart cost 10-18 us a message, these 1-2 us a frame
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
+
+
+def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
+    """sock.send_multipart(frames), frame by frame through the Cython send with int flags; a frame
+    of ZeroMQ's copy threshold or more goes without a copy (bytes: nothing can change it)."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        _raw_send(sock, frame, _SNDMORE if i < last else 0, len(frame) < _COPY_THRESHOLD)
+
+
+def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
+    """sock.recv_multipart(zmq.NOBLOCK, copy=False) through the Cython recv: zmq.Again when nothing waits."""
+    frame = _raw_recv(sock, _NOBLOCK, False)
+    frames = [frame]
+    while frame.more:  # the rest of a multipart message is there once its first frame is
+        frame = _raw_recv(sock, _NOBLOCK, False)
+        frames.append(frame)
+    return frames
 
 
 def build_ready(config: WorkerConfig, name: str, incarnation: str, registry: ModelRegistry) -> Ready:
@@ -166,7 +191,7 @@ class Worker:
         """Send with the lock held; a message that cannot go out in time is dropped (the broker
         retries what it never hears of, once it gives up on this worker)."""
         try:
-            self.sock.send_multipart(frames)
+            send_frames(cast(zmq.Socket, self.sock), frames)
         except zmq.Again:
             log.warning("could not send to the broker within %.1fs: a message was dropped", HEARTBEAT_INTERVAL_S)
 
@@ -195,7 +220,8 @@ class Worker:
                 drain_s = 2 * HEARTBEAT_INTERVAL_S + (LANE_DRAIN_S if busy else 0.0)
                 if bye_at is not None and ((drained and not busy) or time.monotonic() - bye_at > drain_s):
                     break
-                events = dict(self.poller.poll(max(0.0, self.next_beat - time.monotonic()) * 1000))
+                timeout_ms = int(max(0.0, self.next_beat - time.monotonic()) * 1000)  # as Poller.poll rounds a float
+                events = dict(cast(zmq.Poller, self.poller).poll(timeout_ms))
                 if self.sock in events:
                     liveness, backoff, heard = HEARTBEAT_LIVENESS, RECONNECT_INIT_S, True
                     drained |= self._take(jobs, bye_at is not None)
@@ -246,7 +272,7 @@ class Worker:
         now = time.monotonic()
         while len(jobs) < MAX_ROUND_JOBS:
             try:
-                msg = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                msg = recv_frames(cast(zmq.Socket, self.sock))
             except zmq.Again:
                 break
             # A large frame stays ZeroMQ's (a view): copying 30 MB would hold the GIL, and so every
@@ -256,7 +282,7 @@ class Worker:
                 body = [f.buffer if len(f) > LARGE_FRAME else f.bytes for f in msg[1:]]
                 try:
                     jobs.extend(PendingJob(job_id, budget, now, payload if len(payload) > LARGE_FRAME else bytes(payload))
-                                for job_id, budget, payload in unpack_jobs(body))
+                                for job_id, budget, payload in unpack_jobs(cast("list[bytes]", body)))
                 except ValueError as e:
                     log.warning("ignoring a malformed job batch: %s", e)
                 continue

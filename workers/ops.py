@@ -13,7 +13,7 @@ import time
 from array import array
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, cast
 
 import msgpack
 
@@ -32,7 +32,7 @@ from tokenbroker.common.protocol import (
     type_name,
 )
 
-from .budget import ReplyBudget
+from .budget import ITEM_OVERHEAD, ReplyBudget
 from .cache import CacheOutcome
 from .background import Done, Lane
 from .count import count_request
@@ -96,6 +96,7 @@ class Ops:
         self.limits = registry.limits
         self.deadline = float("inf")  # of the job being served (time.monotonic()); batches stop past it
         self.payload_bytes = 0  # of the job being served: what detokenize_stream's free reply bound reads
+        self._tails: dict[str, bytes] = {}  # _packed_replies' fixed reply ends, by the `cache` map's l0
         caches = registry.cache_config
         self.tokenin = Tokenin(CHAIN_MEMO_BYTES if caches.l0_enabled or caches.l1_enabled else 0)
         # Set by the worker: chats render, and long texts encode, off its round loop (workers/background.py).
@@ -127,7 +128,8 @@ class Ops:
             try:
                 request = parse_request(job.payload)
             except ProtocolError as e:
-                out[i] = (job.job_id, e.code, error_reply(raw_id(job.payload), e.code, e.message))
+                reply, code = self._error(raw_id(job.payload), e)
+                out[i] = (job.job_id, code, reply)
                 continue
             if request.op == "chat" and self.renders is not None:
                 out[i] = self._defer_chat(job, request)
@@ -159,8 +161,8 @@ class Ops:
 
     def _encode_group(self, model: Any, jobs: list[PendingJob], members: list[tuple[int, Request]],
                       add_special: bool, out: list) -> None:
-        """One batch encode for the `u32` members, built from the engine's packed buffer (no Python
-        int per id where the engine gives one), and one for the rest."""
+        """One batch encode for the `u32` members, their replies packed straight from the engine's
+        buffer (`_packed_replies`), and one for the rest."""
         packed = [m for m in members if m[1].tokens_format == "u32"]
         listed = [m for m in members if m[1].tokens_format != "u32"] if packed else members
         tok = model.tokenizer
@@ -170,28 +172,73 @@ class Ops:
                 continue
             texts = [r.payload["text"] for _, r in part]
             try:
-                results = (tok.encode_u32 if u32 else tok.encode_many)(texts, add_special_tokens=add_special)
+                if u32:
+                    flat, ends = tok.encode_flat(texts, add_special_tokens=add_special)
+                else:
+                    results = tok.encode_many(texts, add_special_tokens=add_special)
             except Exception:  # one text the batch call refuses: serve each alone, so only it fails
                 for i, request in part:
                     reply, outcome = self._serve(request, len(jobs[i].payload))
                     out[i] = (jobs[i].job_id, outcome, reply)
                 continue
+            if u32:
+                self._packed_replies(jobs, part, flat, ends, off, out)
+                continue
             for (i, request), tokens in zip(part, results):
-                count = len(tokens) // 4 if u32 else len(tokens)
-                try:
-                    ReplyBudget(self.limits.max_reply_bytes).charge_count(count, tokens, request.tokens_format)
-                except ProtocolError as e:
-                    out[i] = (jobs[i].job_id, e.code, error_reply(request.raw_id, e.code, e.message))
-                    continue
-                fields = {"tokens": tokens, "count": count, "cache": off, "worker": self.worker_name}
-                out[i] = (jobs[i].job_id, *self._capped(request.raw_id, ok_reply(request.raw_id, fields), "ok"))
+                reply, outcome = self._tokens_reply(request, tokens, len(tokens), off)
+                out[i] = (jobs[i].job_id, outcome, reply)
 
-    def _capped(self, request_id: bytes, reply: bytes, outcome: str) -> tuple[str, bytes]:
-        """(outcome, reply), or too_large when the reply is over --max-reply-bytes."""
+    def _packed_replies(self, jobs: list[PendingJob], part: list[tuple[int, Request]], flat: memoryview,
+                        ends: Sequence[int], off: dict, out: list) -> None:
+        """The u32 replies of one batch encode, each one join of fixed bytes and its slice of the
+        engine's buffer: the bytes `ok_reply` gives for the same fields (a test checks), at about a
+        microsecond a reply. A reply that may not fit --max-reply-bytes is built by `_tokens_reply`,
+        which charges the budget and names the error."""
+        limit = self.limits.max_reply_bytes
+        tail = self._tails.get(off["l0"])
+        if tail is None:  # the reply's last two fields, the same for every reply of a cache-less model
+            tail = self._tails[off["l0"]] = msgpack.packb({"cache": off, "worker": self.worker_name}, use_bin_type=True)[1:]
+        join = b"".join
+        for k, (i, request) in enumerate(part):
+            start, end = 4 * ends[k], 4 * ends[k + 1]
+            size = end - start
+            reply = join((_OK_TOKENS_HEAD, request.raw_id, _OK_TOKENS_BIN, _bin_head(size), flat[start:end],
+                          _COUNT_KEY, _uint(size >> 2), tail))
+            if size + ITEM_OVERHEAD > limit or len(reply) > limit:
+                reply, outcome = self._tokens_reply(request, bytes(flat[start:end]), size >> 2, off)
+                out[i] = (jobs[i].job_id, outcome, reply)
+            else:
+                out[i] = (jobs[i].job_id, "ok", reply)
+
+    def _tokens_reply(self, request: Request, tokens: Any, count: int, off: dict) -> tuple[bytes, str]:
+        """(reply, outcome) of a batch-encoded tokenize: its ids charged to the reply budget first."""
+        try:
+            ReplyBudget(self.limits.max_reply_bytes).charge_count(count, tokens, request.tokens_format)
+            fields = {"tokens": tokens, "count": count, "cache": off, "worker": self.worker_name}
+            return self._capped(ok_reply(request.raw_id, fields)), "ok"
+        except ProtocolError as e:
+            return self._error(request.raw_id, e)
+
+    def _capped(self, reply: bytes) -> bytes:
+        """The reply, or ProtocolError too_large when it is over --max-reply-bytes."""
         if len(reply) <= self.limits.max_reply_bytes:
-            return outcome, reply
-        return "too_large", error_reply(request_id, "too_large", f"the reply would be {len(reply)} bytes; this worker sends "
-                                        f"at most {self.limits.max_reply_bytes} (--max-reply-bytes): split the request")
+            return reply
+        raise ProtocolError("too_large", f"the reply would be {len(reply)} bytes; this worker sends "
+                            f"at most {self.limits.max_reply_bytes} (--max-reply-bytes): split the request")
+
+    def _error(self, raw_id: bytes, exc: BaseException) -> tuple[bytes, str]:
+        """(reply, outcome) for a request that failed: the worker's one builder of error replies.
+        A ProtocolError answers its own code; a RecursionError (input nested too deeply for the
+        decoder or a renderer) is invalid_input; anything else is a bug: logged, answered internal,
+        and the worker keeps serving."""
+        if isinstance(exc, ProtocolError):
+            code, message = exc.code, exc.message
+        elif isinstance(exc, RecursionError):
+            code, message = "invalid_input", "input is nested too deeply to process"
+        else:
+            log.error("internal error serving request id=%s", logged_id(raw_id), exc_info=exc)
+            code, message = "internal", f"internal error: {type(exc).__name__}: {exc}"
+        return error_reply(raw_id, code, message), code
 
     def _batch_items(self, items: list, field: str) -> None:
         if len(items) > self.limits.max_batch_items:
@@ -215,17 +262,10 @@ class Ops:
             method = getattr(self, f"op_{request.op}", None)
             if method is None:
                 raise ProtocolError("unknown_op", f"field 'op': {request.op!r} is not served by workers")
-            fields = method(request.payload, request.model, request.tokens_format) if fields is None else fields()
-            reply = ok_reply(request_id, {**fields, "worker": self.worker_name})
-            outcome, reply = self._capped(request_id, reply, "ok")
-            return reply, outcome
-        except ProtocolError as e:
-            return error_reply(request_id, e.code, e.message), e.code
-        except RecursionError:
-            return error_reply(request_id, "invalid_input", "input is nested too deeply to process"), "invalid_input"
-        except Exception as e:  # a bug: say so, keep serving
-            log.exception("internal error serving request id=%s", logged_id(request_id))
-            return error_reply(request_id, "internal", f"internal error: {type(e).__name__}: {e}"), "internal"
+            op_fields = method(request.payload, request.model, request.tokens_format) if fields is None else fields()
+            return self._capped(ok_reply(request_id, {**op_fields, "worker": self.worker_name})), "ok"
+        except Exception as e:  # noqa: BLE001 - a bug too is one request's error (_error logs it)
+            return self._error(request_id, e)
 
     # --- ops ---------------------------------------------------------------------------
 
@@ -323,7 +363,7 @@ class Ops:
         """The text of `ids`, once its size bound is charged to `budget` (too_large before decoding)."""
         try:
             budget.charge_decoded(model.tokenizer, ids, f"the text of {field}")
-            return model.tokenizer.decode(ids if type(ids) is list else ids.tolist(), skip_special_tokens=skip)
+            return model.tokenizer.decode(ids if isinstance(ids, list) else ids.tolist(), skip_special_tokens=skip)
         except InvalidTokenId as e:
             raise ProtocolError("invalid_input", f"field '{field}[{e.index}]': {e}") from e
 
@@ -370,8 +410,9 @@ class Ops:
         try:
             chat = self._chat_start(request.payload, request.model)
         except ProtocolError as e:
-            return job.job_id, e.code, error_reply(request.raw_id, e.code, e.message)
-        except Exception:  # noqa: BLE001 - a bug: _serve() says so, as it does inline
+            reply, code = self._error(request.raw_id, e)
+            return job.job_id, code, reply
+        except Exception:  # noqa: BLE001 - a bug: served inline instead (a retry), where _serve() says so
             reply, outcome = self._serve(request, len(job.payload))
             return job.job_id, outcome, reply
 
@@ -383,7 +424,7 @@ class Ops:
 
             return self._serve(request, len(job.payload), fields=fields)
 
-        self.renders.submit((job, finish), chat.render, job.deadline(), chat.model.renderer().sandbox.cancel)
+        cast(Lane, self.renders).submit((job, finish), chat.render, job.deadline(), chat.model.renderer().sandbox.cancel)
         return None
 
     def _large(self, job: PendingJob, span: tuple[int, int, int]) -> tuple[bytes, str] | Request:
@@ -396,7 +437,7 @@ class Ops:
         try:
             request = read_large(job.payload, span)
         except ProtocolError as e:
-            return error_reply(raw_id(without_text(job.payload, span)), e.code, e.message), e.code
+            return self._error(raw_id(without_text(job.payload, span)), e)
         model = self._plain_tokenize_model(request)
         if model is None:
             return request
@@ -414,20 +455,16 @@ class Ops:
                 tokens = [_bin_header(len(packed)), packed]
             else:
                 tokens = _list_from_u32(packed, budget)
+            off = CacheTally(self.registry.l0_enabled).to_wire()
+            return self._capped(_reply_with_tokens(rid, tokens, {"count": count, "cache": off, "worker": self.worker_name})), "ok"
         except ProtocolError as e:
-            return error_reply(rid, e.code, e.message), e.code
-        off = CacheTally(self.registry.l0_enabled).to_wire()
-        reply = _reply_with_tokens(rid, tokens, {"count": count, "cache": off, "worker": self.worker_name})
-        outcome, reply = self._capped(rid, reply, "ok")
-        return reply, outcome
+            return self._error(rid, e)
 
     def _finish_large(self, job: PendingJob, done: Done) -> tuple[bytes, str] | None:
         """On the round thread: a large payload's reply from the lane, or its request served here
         (a chat starts its render; None then)."""
-        if done.error is not None:  # a bug: say so, keep serving
-            log.error("internal error reading a large payload", exc_info=done.error)
-            e = done.error
-            return error_reply(NIL, "internal", f"internal error: {type(e).__name__}: {e}"), "internal"
+        if done.error is not None:  # a bug reading it (its id unread): _error logs it
+            return self._error(NIL, done.error)
         if not isinstance(done.result, Request):
             return done.result
         request = done.result
@@ -541,6 +578,30 @@ def _bin_header(size: int) -> bytes:
     return b"\xc6" + size.to_bytes(4, "big")
 
 
+# The fixed bytes of a tokenize reply as ok_reply packs it: {"id", "ok": true, "tokens", "count", "cache", "worker"}.
+_OK_TOKENS_HEAD = b"\x86\xa2id"
+_OK_TOKENS_BIN = b"\xa2ok\xc3\xa6tokens"
+_COUNT_KEY = b"\xa5count"
+
+
+def _bin_head(size: int) -> bytes:
+    """A bin's header in its shortest form, as msgpack packs it."""
+    if size < 256:
+        return b"\xc4" + size.to_bytes(1, "big")
+    return b"\xc5" + size.to_bytes(2, "big") if size < 65536 else b"\xc6" + size.to_bytes(4, "big")
+
+
+def _uint(n: int) -> bytes:
+    """A non-negative int in its shortest MessagePack form (msgpack.packb(n))."""
+    if n < 128:
+        return n.to_bytes(1, "big")
+    if n < 256:
+        return b"\xcc" + n.to_bytes(1, "big")
+    if n < 65536:
+        return b"\xcd" + n.to_bytes(2, "big")
+    return b"\xce" + n.to_bytes(4, "big") if n < 1 << 32 else msgpack.packb(n)
+
+
 def _list_from_u32(packed: bytes, budget: ReplyBudget) -> list[bytes]:
     """A u32 buffer's ids as a MessagePack array, packed a chunk of 65,535 ids at a time (each chunk
     a short call; an array of exactly that many packs with a 3-byte header) and charged as it grows."""
@@ -554,9 +615,13 @@ def _list_from_u32(packed: bytes, budget: ReplyBudget) -> list[bytes]:
             chunk.byteswap()
         body = msgpack.packb(chunk.tolist())
         body = body[3:] if len(chunk) >= 16 else body[1:]  # without the chunk's own array header
-        budget.charge(len(body), lambda n=len(body): n, "its token ids")
+        budget.charge(len(body), _constant(len(body)), "its token ids")
         parts.append(body)
     return parts
+
+
+def _constant(n: int) -> Callable[[], int]:
+    return lambda: n
 
 
 def _reply_with_tokens(rid: bytes, tokens: list[bytes], fields: dict) -> bytes:

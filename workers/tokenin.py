@@ -36,6 +36,7 @@ from tokenbroker.common.protocol import opt, type_name
 from .cache import CacheOutcome
 
 EXTRA_FIELDS = ("return_offsets", "return_token_strs", "truncate_prompt_tokens", "truncation_side", "block_hashes")
+_EXTRA_SET = frozenset(EXTRA_FIELDS)
 MAX_BLOCK_SIZE = 4096
 DIGEST = 32  # bytes of one block hash
 # ChainMemo: a checkpoint every this many tokens (at least every block), and its memory per worker.
@@ -70,7 +71,8 @@ class Extras:
 
 def asks_extras(p: dict) -> bool:
     """Whether a request names any option of this module (the batch encode path serves none of them)."""
-    return any(p.get(k) is not None for k in EXTRA_FIELDS)
+    named = p.keys() & _EXTRA_SET  # most requests name none: one set operation in C
+    return bool(named) and any(p[k] is not None for k in named)
 
 
 def parse_extras(p: dict) -> Extras | None:

@@ -21,7 +21,7 @@ import sys
 from array import array
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence
 
 from tokenbroker.common.config import EMBEDDED_DEFAULT
 from tokenbroker.common.errors import BootError
@@ -67,6 +67,8 @@ class Tokenizer(Protocol):
 
     def encode_u32(self, texts: list[str], *, add_special_tokens: bool = True) -> list[bytes]: ...
 
+    def encode_flat(self, texts: list[str], *, add_special_tokens: bool = True) -> tuple[memoryview, Sequence[int]]: ...
+
     @property
     def backend(self) -> str: ...
 
@@ -79,7 +81,7 @@ def ids_to_u32(ids: list[int]) -> bytes:
     return a.tobytes()
 
 
-def check_ids(ids: list[int], vocab_size: int, unassigned: frozenset[int]) -> None:
+def check_ids(ids: Sequence[int], vocab_size: int, unassigned: frozenset[int]) -> None:
     """Raise InvalidTokenId for the first id that names no token; C-speed when all are fine."""
     if not ids or (min(ids) >= 0 and max(ids) < vocab_size and (not unassigned or unassigned.isdisjoint(ids))):
         return
@@ -103,6 +105,10 @@ class _Wrapped:
     # The fast engine (workers/engine.py) once it proved exact: encodes and decodes go through it.
     # Set once, by the main thread, between two rounds of jobs; `raw` stays the reference.
     fast: Any = None
+    if TYPE_CHECKING:  # each kind's own (a dataclass field of the subclass, a method)
+        reference_backend: str = field(default="", init=False)
+
+        def encode_many(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]: ...
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.description}>"
@@ -119,6 +125,18 @@ class _Wrapped:
         if fast is not None:
             return fast.encode_u32(texts, add_special_tokens)
         return [ids_to_u32(ids) for ids in self.encode_many(texts, add_special_tokens=add_special_tokens)]
+
+    def encode_flat(self, texts: list[str], *, add_special_tokens: bool = True) -> tuple[memoryview, Sequence[int]]:
+        """All texts' ids as one little-endian uint32 byte view and each text's end in it, in ids
+        (`ends[i]:ends[i + 1]`): the fast engine's own buffer when it serves (FastEngine.encode_flat)."""
+        fast = self.fast
+        if fast is not None:
+            return fast.encode_flat(texts, add_special_tokens)
+        parts = self.encode_u32(texts, add_special_tokens=add_special_tokens)
+        ends = [0]
+        for part in parts:
+            ends.append(ends[-1] + len(part) // 4)
+        return memoryview(b"".join(parts)), ends
 
 
 @dataclass(eq=False, repr=False)

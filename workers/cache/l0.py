@@ -12,6 +12,7 @@ import sys
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import cast
 
 from .accounting import ENTRY_OVERHEAD, ID_TYPECODE, LayerStats
 
@@ -80,7 +81,7 @@ class L0Cache:
             return
         if stored is None:
             stored = array(ID_TYPECODE)
-            stored.fromlist(ids)  # the list fast path: a third quicker than array(typecode, ids)
+            stored.fromlist(cast("list[int]", ids))  # the list fast path: a third quicker than array(typecode, ids)
         utf8_len = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
         entry = _Entry(stored, utf8_len, charge)
         key = (text, add_special_tokens)

@@ -119,8 +119,7 @@ def plan_cuts(n: int, depth: int) -> list[int]:
     while k <= n:
         picks += (k - 1, n - 1 - k)
         k <<= 1
-    seen = set()
-    return [i for i in picks if depth < i < n and not (i in seen or seen.add(i))]
+    return list(dict.fromkeys(i for i in picks if depth < i < n))  # in order, each once
 
 
 class L1Cache:

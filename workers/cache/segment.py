@@ -44,6 +44,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
+    def encode_u32(self, texts: list[str], *, add_special_tokens: bool = True) -> list[bytes]: ...
+
 
 class NotSplittable(Exception):
     """This tokenizer cannot be split at added tokens exactly; the message says why."""
