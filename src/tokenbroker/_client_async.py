@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from typing import Any, Mapping, Sequence
+from typing import Any, Awaitable, Mapping, Sequence
 
 import zmq
 
@@ -63,10 +63,11 @@ class AsyncClient:
         self._model = model
         self._ids: res.IdsFormat = ids
 
-    async def _ok(self, body: dict[str, Any], timeout: float | None) -> dict[str, Any]:
-        """The reply map of an ok call; its error raised otherwise (one coroutine over the call's future)."""
+    async def _ok(self, body: dict[str, Any], timeout: float | None, plain: bool = False) -> dict[str, Any]:
+        """The reply map of an ok call; its error raised otherwise (one coroutine over the call's future).
+        `plain`: the body holds exact str/bytes/int/bool values only (`Core.submit`)."""
         core = self._core
-        call = core.submit(body, self._timeout if timeout is None else timeout)
+        call = core.submit(body, self._timeout if timeout is None else timeout, plain)
         try:
             reply = await call.future
         except BaseException:  # cancelled (or the client closed): the engine forgets the call now
@@ -91,14 +92,19 @@ class AsyncClient:
         """
         body: dict[str, Any] = {"op": "tokenize", "text": text, "add_special_tokens": add_special_tokens,
                                 "tokens_format": "u32"}
+        # plain (msgspec packs it): the fields this method fills from exact str and bool values
+        plain = type(text) is str and type(add_special_tokens) is bool
         model = self._model if model is None else model
         if model is not None:
             body["model"] = model
+            plain = plain and type(model) is str
         if affinity is not None:
             body["affinity"] = affinity
+            plain = plain and type(affinity) is str
         if offsets or token_strs or truncate is not None or block_hashes is not None:
             body.update(res.token_in(offsets, token_strs, truncate, truncation_side, block_hashes))
-        return res.tokens(await self._ok(body, timeout), self._ids)
+            plain = False
+        return res.tokens(await self._ok(body, timeout, plain), self._ids)
 
     async def tokenize_batch(self, texts: Sequence[str], *, model: str | None = None, add_special_tokens: bool = True,
                              affinity: str | None = None, timeout: float | None = None, offsets: bool = False,
@@ -162,7 +168,7 @@ class AsyncClient:
 
     async def ping(self, *, timeout: float | None = None) -> res.Pong:
         """Answered by a broker itself: how many workers it has ready."""
-        return res.pong(await self._ok({"op": "ping"}, timeout))
+        return res.pong(await self._ok({"op": "ping"}, timeout, True))
 
     async def add_model(self, name: str, source: str, *, aliases: Sequence[str] = (), chat_template: str | None = None,
                         timeout: float | None = None) -> res.ModelState:
@@ -185,7 +191,7 @@ class AsyncClient:
 
     def detokenize_stream(self, *, model: str | None = None, timeout: float | None = None) -> AsyncDetokenizeStream:
         """A helper that carries each open sequence's `state`: `open()` them, then `await step(...)`."""
-        return AsyncDetokenizeStream(self._request_body, model=self._model_of(model), timeout=timeout)
+        return AsyncDetokenizeStream(self._stream_body, model=self._model_of(model), timeout=timeout)
 
     async def request(self, op: str, fields: Mapping[str, Any] | None = None, *,
                       timeout: float | None = None) -> dict[str, Any]:
@@ -195,6 +201,13 @@ class AsyncClient:
     async def _request_body(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """`request` for a whole body (its `id` and `deadline_ms` are the client's)."""
         return await self._core.call(dict(body), self._timeout if timeout is None else timeout)
+
+    def _stream_body(self, body: dict[str, Any], timeout: float | None = None) -> Awaitable[dict[str, Any]]:
+        """A stream step's request (a fresh body the helper built: bins, ints and str; plain when its
+        model is an exact str): the core's call itself, no coroutine of its own."""
+        model = body.get("model")
+        return self._core.call(body, self._timeout if timeout is None else timeout,
+                               "columns" in body and (model is None or type(model) is str))
 
     def status(self) -> list[EndpointStatus]:
         """Each broker as this client sees it: alive, calls outstanding, counters."""

@@ -28,6 +28,7 @@ class Call:
     link: "Link | None" = None
     retry: asyncio.TimerHandle | None = None
     attempts: int = 0
+    plain: bool = False  # the body holds plain values only: packed by msgspec (see _client_core)
 
 
 @dataclass(frozen=True)
