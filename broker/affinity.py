@@ -109,12 +109,11 @@ def route_key(peek: Peek) -> RouteKey | None:
         return RouteKey(key=_digest(b"affinity\x00" + peek.affinity.encode("utf-8", "surrogatepass")), blocks=())
     model = (peek.model or "").encode("utf-8", "surrogatepass")
     raw, span = peek.raw, peek.spans.get("text")
-    if type(raw) is memoryview:  # a large payload peeked in place (only tokenize and keyless ops are):
+    if isinstance(raw, memoryview):  # a large payload peeked in place (only tokenize and keyless ops are):
         if span is None:         # what the key reads, the head of its text, is copied, not the frame
             return _fallback(b"text", model)
         raw = raw[span[0]:min(span[1], span[0] + _STR_HEADER_BYTES + MAX_HASHED_BYTES)].tobytes()
         span = (0, len(raw))
-    assert isinstance(raw, bytes)
     if peek.op == "tokenize":
         return _text_key(b"text", model, raw, span)
     if peek.op == "chat":
