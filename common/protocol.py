@@ -290,17 +290,25 @@ def raw_id(data: bytes) -> bytes:
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1))
     unpacker.feed(data)
     try:
-        for _ in range(unpacker.read_map_header()):
-            if unpacker.unpack() != "id":
-                unpacker.skip()
-                continue
-            start = unpacker.tell()
-            unpacker.skip()
-            value = data[start:unpacker.tell()]
-            return NIL if id_problem(value) is not None else value
+        start = seek_key(unpacker, "id")
+        if start is None:
+            return NIL
+        unpacker.skip()
+        value = data[start:unpacker.tell()]
+        return NIL if id_problem(value) is not None else value
     except Exception:
         return NIL
-    return NIL
+
+
+def seek_key(unpacker: msgpack.Unpacker, key: str) -> int | None:
+    """Read the map header at the unpacker's position and its entries up to `key`: where `key`'s
+    value starts (the unpacker is left there), or None when the map has no such key. The values
+    before it are skipped in C, never decoded. Raises what the unpacker raises on a broken map."""
+    for _ in range(unpacker.read_map_header()):
+        if unpacker.unpack() == key:
+            return unpacker.tell()
+        unpacker.skip()
+    return None
 
 
 def parse_request(data: bytes) -> Request:

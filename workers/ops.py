@@ -29,6 +29,7 @@ from tokenbroker.common.protocol import (
     parse_request,
     raw_id,
     req,
+    seek_key,
     type_name,
 )
 
@@ -554,24 +555,21 @@ def text_span(payload: bytes | memoryview) -> tuple[int, int, int] | None:
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(head) or 1)
     unpacker.feed(head)
     try:
-        for _ in range(unpacker.read_map_header()):
-            if unpacker.unpack() != "text":
-                unpacker.skip()
-                continue
-            at = unpacker.tell()
-            kind = head[at]
-            if kind == 0xDA:
-                size, start = int.from_bytes(head[at + 1:at + 3], "big"), at + 3
-            elif kind == 0xDB:
-                size, start = int.from_bytes(head[at + 1:at + 5], "big"), at + 5
-            else:
-                return None
-            if size < 1 << 16 or start + size > len(payload):
-                return None
-            return at, start, start + size
+        at = seek_key(unpacker, "text")
+        if at is None:
+            return None
+        kind = head[at]
+        if kind == 0xDA:
+            size, start = int.from_bytes(head[at + 1:at + 3], "big"), at + 3
+        elif kind == 0xDB:
+            size, start = int.from_bytes(head[at + 1:at + 5], "big"), at + 5
+        else:
+            return None
     except Exception:  # noqa: BLE001 - unreadable within its head: parse_request says why
         return None
-    return None
+    if size < 1 << 16 or start + size > len(payload):
+        return None
+    return at, start, start + size
 
 
 def _bin_header(size: int) -> bytes:
