@@ -1,0 +1,205 @@
+# The MessagePack wire reader, cimported by the broker's and the workers' cores: one header reader
+# and one bounded skipper, so both sides read hostile bytes the same way. The functions are inline in
+# this file (a C header, in effect): a core that cimports them needs no import of this module at run
+# time, which matters because setup.py compiles `common/` as `tokenbroker.common`.
+#
+# In a core: `from common._wire cimport Head, read_head, skip, K_STR, W_OK` (setup.py's include_path
+# is the repository root).
+
+from libc.string cimport memcpy
+
+cdef enum Kind:
+    K_NIL = 0
+    K_BOOL = 1
+    K_INT = 2      # a signed int (negative fixint, int 8-64): Head.ival
+    K_UINT = 3     # an unsigned int (positive fixint, uint 8-64): Head.uval
+    K_FLOAT = 4
+    K_STR = 5      # Head.length bytes follow
+    K_BIN = 6      # Head.length bytes follow
+    K_ARRAY = 7    # Head.length items follow
+    K_MAP = 8      # Head.length key/value pairs follow
+    K_EXT = 9      # Head.length bytes follow (the ext type byte already read)
+
+cdef enum Fault:
+    W_OK = 0
+    W_TRUNCATED = -1   # the bytes end inside a value
+    W_INVALID = -2     # 0xc1, the one byte MessagePack never uses
+    W_TOO_DEEP = -3    # containers nested deeper than the bound
+    W_TOO_LONG = -4    # a container claims more items than the bytes left could hold
+
+cdef enum:
+    WIRE_MAX_DEPTH = 1024  # the deepest bound a caller may ask for (the skipper's stack)
+
+cdef struct Head:
+    Kind kind
+    Py_ssize_t length            # str/bin/ext bytes; array items; map pairs
+    long long ival
+    unsigned long long uval
+    double fval
+
+
+cdef inline unsigned long long _be(const unsigned char* p, int n) noexcept nogil:
+    cdef unsigned long long v = 0
+    cdef int i
+    for i in range(n):
+        v = (v << 8) | p[i]
+    return v
+
+
+cdef inline int read_head(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos, Head* h) noexcept nogil:
+    """Read the header at pos[0] into h and move pos[0] past it (not past a str's/bin's bytes).
+
+    Returns W_OK or a Fault; on a fault pos[0] is unchanged. A str/bin/ext whose bytes run past
+    `end` is W_TRUNCATED here, so a caller may take its bytes without checking again; an array or
+    map claiming more items than bytes remain is W_TOO_LONG.
+    """
+    cdef Py_ssize_t at = pos[0]
+    cdef unsigned char b
+    cdef int width = 0
+    cdef unsigned long long u
+    cdef unsigned int f32
+    cdef float f
+    if at >= end:
+        return W_TRUNCATED
+    b = p[at]
+    at += 1
+    h.length = 0
+    if b <= 0x7f:
+        h.kind = K_UINT
+        h.uval = b
+        h.ival = b
+    elif b >= 0xe0:
+        h.kind = K_INT
+        h.ival = <signed char>b
+    elif b <= 0x8f:
+        h.kind = K_MAP
+        h.length = b & 0x0f
+    elif b <= 0x9f:
+        h.kind = K_ARRAY
+        h.length = b & 0x0f
+    elif b <= 0xbf:
+        h.kind = K_STR
+        h.length = b & 0x1f
+    elif b == 0xc0:
+        h.kind = K_NIL
+    elif b == 0xc1:
+        return W_INVALID
+    elif b == 0xc2 or b == 0xc3:
+        h.kind = K_BOOL
+        h.ival = b - 0xc2
+    elif b <= 0xc6:  # bin 8/16/32
+        width = 1 << (b - 0xc4)
+        if end - at < width:
+            return W_TRUNCATED
+        h.kind = K_BIN
+        h.length = <Py_ssize_t>_be(p + at, width)
+        at += width
+    elif b <= 0xc9:  # ext 8/16/32: length, then the type byte
+        width = 1 << (b - 0xc7)
+        if end - at < width + 1:
+            return W_TRUNCATED
+        h.kind = K_EXT
+        h.length = <Py_ssize_t>_be(p + at, width)
+        at += width + 1
+    elif b == 0xca:
+        if end - at < 4:
+            return W_TRUNCATED
+        f32 = <unsigned int>_be(p + at, 4)
+        memcpy(&f, &f32, 4)
+        h.kind = K_FLOAT
+        h.fval = f
+        at += 4
+    elif b == 0xcb:
+        if end - at < 8:
+            return W_TRUNCATED
+        u = _be(p + at, 8)
+        memcpy(&h.fval, &u, 8)
+        h.kind = K_FLOAT
+        at += 8
+    elif b <= 0xcf:  # uint 8-64
+        width = 1 << (b - 0xcc)
+        if end - at < width:
+            return W_TRUNCATED
+        h.kind = K_UINT
+        h.uval = _be(p + at, width)
+        h.ival = <long long>h.uval
+        at += width
+    elif b <= 0xd3:  # int 8-64
+        width = 1 << (b - 0xd0)
+        if end - at < width:
+            return W_TRUNCATED
+        u = _be(p + at, width)
+        if width == 1:
+            h.ival = <signed char>u
+        elif width == 2:
+            h.ival = <short>u
+        elif width == 4:
+            h.ival = <int>u
+        else:
+            h.ival = <long long>u
+        h.kind = K_INT
+        at += width
+    elif b <= 0xd8:  # fixext 1-16: type byte, then 2^(b-0xd4) bytes
+        h.kind = K_EXT
+        h.length = 1 << (b - 0xd4)
+        if end - at < 1:
+            return W_TRUNCATED
+        at += 1
+    elif b <= 0xdb:  # str 8/16/32
+        width = 1 << (b - 0xd9)
+        if end - at < width:
+            return W_TRUNCATED
+        h.kind = K_STR
+        h.length = <Py_ssize_t>_be(p + at, width)
+        at += width
+    else:  # 0xdc-0xdf: array/map 16/32
+        width = 2 if (b == 0xdc or b == 0xde) else 4
+        if end - at < width:
+            return W_TRUNCATED
+        h.kind = K_ARRAY if b <= 0xdd else K_MAP
+        h.length = <Py_ssize_t>_be(p + at, width)
+        at += width
+    if h.kind == K_STR or h.kind == K_BIN or h.kind == K_EXT:
+        if h.length > end - at:
+            return W_TRUNCATED
+    elif h.kind == K_ARRAY:
+        if h.length > end - at:
+            return W_TOO_LONG
+    elif h.kind == K_MAP:
+        if h.length > (end - at) // 2:
+            return W_TOO_LONG
+    pos[0] = at
+    return W_OK
+
+
+cdef inline Py_ssize_t skip(const unsigned char* p, Py_ssize_t end, Py_ssize_t pos, int max_depth) noexcept nogil:
+    """The position just past the value at `pos`, or a Fault (negative).
+
+    Iterative: `left[d]` counts the values still to skip at depth d, so a value nested a million
+    deep costs at most `max_depth` levels before it is refused (W_TOO_DEEP), never the C stack.
+    """
+    cdef Py_ssize_t left[WIRE_MAX_DEPTH + 1]
+    cdef int depth = 0
+    cdef int rc
+    cdef Head h
+    if max_depth > WIRE_MAX_DEPTH:
+        max_depth = WIRE_MAX_DEPTH
+    left[0] = 1
+    while True:
+        while depth > 0 and left[depth] == 0:
+            depth -= 1
+        if left[depth] == 0:
+            return pos
+        rc = read_head(p, end, &pos, &h)
+        if rc != W_OK:
+            return rc
+        left[depth] -= 1
+        if h.kind == K_STR or h.kind == K_BIN or h.kind == K_EXT:
+            pos += h.length
+        elif (h.kind == K_ARRAY or h.kind == K_MAP) and h.length > 0:
+            if depth >= max_depth:
+                return W_TOO_DEEP
+            depth += 1
+            left[depth] = h.length * 2 if h.kind == K_MAP else h.length
+        if depth == 0 and left[0] == 0:
+            return pos

@@ -1,0 +1,11 @@
+"""Type stub of the compiled wire reader (common/_wire.pyx)."""
+
+MAX_DEPTH: int
+FAULTS: dict[int, str]
+
+class WireError(ValueError):
+    fault: str
+    at: int
+    def __init__(self, fault: str, at: int) -> None: ...
+
+def skip_value(data: bytes | bytearray | memoryview, pos: int = 0, max_depth: int = 64) -> int: ...
