@@ -308,7 +308,8 @@ class Ops:
             cols["token_strs"] = []
         if ex.blocks is not None:
             cols["block_hashes"] = []
-        total = truncated = 0
+        total = 0
+        truncated: list[int] = []  # (1.3) one per text, in the texts' order
         for i, t in enumerate(texts):
             self._check_deadline(i)
             served = self.tokenin.serve(model, t, add_special, ex)
@@ -321,12 +322,12 @@ class Ops:
             if ex.blocks is not None:
                 self.tokenin.hash_blocks(served, ex.blocks, tokens if fmt == "u32" and _LITTLE else None)
             total += len(served.ids)
-            truncated += served.truncated
+            truncated.append(served.truncated)
             _add_served(cols, served, tokens, fmt)
         reply = {k: v if batch else v[0] for k, v in cols.items()}
         reply["count"] = total
         if ex.truncate is not None:
-            reply["truncated"] = truncated
+            reply["truncated"] = truncated if batch else truncated[0]
         reply["cache"] = tally.to_wire()
         return reply
 
