@@ -56,7 +56,7 @@ def test_counts_past_a_size_or_item_threshold_are_counted_on_the_lane_as_inline(
             want[i] = inline.run([PendingJob(i, 0, time.monotonic(), payload)])[0]
         many = {"messages": [{"role": "user", "content": "x"}] * (COUNT_LANE_ITEMS + 1)}  # small, but many items
         payload = msgpack.packb({"id": 9, "op": "count", "body": many, "format": "anthropic.messages"})
-        assert len(payload) < 16 * 1024 and wants_lane(msgpack.unpackb(payload), len(payload))
+        assert len(payload) < 16 * 1024 and wants_lane(msgpack.unpackb(payload), len(payload), registry)
         jobs.append(PendingJob(9, 0, time.monotonic(), payload))
         want[9] = inline.run([PendingJob(9, 0, time.monotonic(), payload)])[0]
         small = PendingJob(10, 0, time.monotonic(), msgpack.packb({"id": 10, "op": "tokenize", "text": "small"}))
@@ -75,10 +75,21 @@ def test_counts_past_a_size_or_item_threshold_are_counted_on_the_lane_as_inline(
             lane_.close()
 
 
-def test_small_counts_stay_on_the_round_loop_and_heads_that_say_otherwise_are_read_there() -> None:
-    assert not wants_lane({"op": "count", "body": {"messages": [{"role": "user", "content": "hi"}]}}, 100)
-    assert not wants_lane({"op": "count", "body": "x" * 100}, 200)
-    assert wants_lane({"op": "count", "body": "x" * 20_000}, 20_010)
+def test_small_counts_stay_on_the_round_loop_unless_their_tokenizer_is_built_first(registry: ModelRegistry) -> None:
+    fresh = ModelRegistry(ModelConfig(models=(ModelSpec("bert", str(BERT_DIR)),)))
+    small = {"op": "count", "body": {"messages": [{"role": "user", "content": "hi"}]}}
+    for name in (None, "gpt-4o", "claude-sonnet-4"):  # an encoding's or the fallback's first use: the lane
+        assert wants_lane({**small, "model": name}, 100, fresh), name
+    assert not wants_lane({**small, "model": "bert"}, 100, fresh)  # a loaded model serves it at once
+    assert fresh.fallback() is not None and fresh.encoding("o200k_base") is not None
+    for name in (None, "gpt-4o", "claude-sonnet-4"):
+        assert not wants_lane({**small, "model": name}, 100, fresh), name
+    assert wants_lane({**small, "model": "gpt-4"}, 100, fresh)  # cl100k_base is not built yet
+    assert not wants_lane({"op": "count", "body": "x" * 100}, 200, fresh)
+    assert wants_lane({"op": "count", "body": "x" * 20_000}, 20_010, fresh)
+
+
+def test_a_count_whose_op_is_in_its_head_is_read_on_the_lane() -> None:
     big = {"body": "x" * 70_000}
     assert not count_at_head(msgpack.packb({**big, "op": "count"}))  # `op` past the head: parsed on the loop
     assert count_at_head(msgpack.packb({"op": "count", **big}))

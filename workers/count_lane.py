@@ -5,9 +5,10 @@ hundreds of milliseconds (3,000 image parts with absurd PNG headers: 85-170 ms t
 and the first count of an OpenAI model builds its encoding from the local file (about 1.6 s). On
 the round loop every small request behind such a count waited that long. So a count whose payload
 is over COUNT_LANE_BYTES, or whose body has a top-level list (messages, contents, input, tools)
-of more than COUNT_LANE_ITEMS items, runs on the encode lane (background.py), as a long encode does;
-a payload the worker took as a view of ZeroMQ's frame (over ops.OFFLOAD_BYTES) is even parsed
-there, when its `op` is readable in its head (`count_at_head`).
+of more than COUNT_LANE_ITEMS items, or whose ladder would first build a tokenizer, runs on the
+encode lane (background.py), as a long encode does; a payload the worker took as a view of
+ZeroMQ's frame (over ops.OFFLOAD_BYTES) is even parsed there, when its `op` is readable in its
+head (`count_at_head`).
 
 On the lane a count encodes with the models' engines directly: their L0/L1 caches belong to the
 round thread (a count's texts are rarely asked again; the reply's `cache` says nothing was looked
@@ -28,7 +29,7 @@ import msgpack
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import seek_key
 
-from .registry import Model
+from .registry import Model, ModelRegistry
 
 COUNT_LANE_BYTES = 16 * 1024  # a count payload longer than this is counted on the encode lane (~1 ms of harvest)
 COUNT_LANE_ITEMS = 256  # or one whose body has a top-level list longer than this
@@ -49,12 +50,18 @@ def count_at_head(payload: bytes | memoryview) -> bool:
         return False
 
 
-def wants_lane(payload: dict, payload_bytes: int) -> bool:
-    """A parsed count request is worth the lane's hop: a long payload, or a long top-level list."""
+def wants_lane(payload: dict, payload_bytes: int, registry: ModelRegistry) -> bool:
+    """A parsed count request is worth the lane's hop: a long payload, a long top-level list, or a
+    tokenizer its ladder would build first (an OpenAI encoding's first use, the fallback's)."""
     if payload_bytes > COUNT_LANE_BYTES:
         return True
     body = payload.get("body")
-    return type(body) is dict and any(type(v) is list and len(v) > COUNT_LANE_ITEMS for v in body.values())
+    if type(body) is dict and any(type(v) is list and len(v) > COUNT_LANE_ITEMS for v in body.values()):
+        return True
+    model = payload.get("model")
+    if model is None and type(body) is dict:
+        model = body.get("model")
+    return not registry.counting_ready(model if type(model) is str else None)
 
 
 class Stop:

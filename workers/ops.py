@@ -139,7 +139,7 @@ class Ops:
             if request.op == "chat" and self.renders is not None:
                 out[i] = self._defer_chat(job, request)
                 continue
-            if request.op == "count" and self.encodes is not None and wants_lane(request.payload, len(job.payload)):
+            if request.op == "count" and self.encodes is not None and wants_lane(request.payload, len(job.payload), self.registry):
                 self._defer_count(job, request)
                 continue
             model = self._plain_tokenize_model(request)

@@ -359,6 +359,26 @@ class ModelRegistry:
         """The embedded tokenizer, the counting ladder's last tokenizer rung (whatever the default model is)."""
         return self._extra(EMBEDDED_DEFAULT)
 
+    def counting_ready(self, model: str | None) -> bool:
+        """Whether the counting ladder serves `model` (None: the body names none) without building a
+        tokenizer first: its OpenAI encoding or a loaded model answers to it, or the fallback is
+        built. A count that would build one (an encoding's first use: ~1.6 s) goes to a lane."""
+        from .count.openai_families import openai_encoding_for
+
+        encoding = openai_encoding_for(model) if model else None
+        if encoding is not None:
+            built = self._extras.get(encoding, _ABSENT)
+            if built is _ABSENT and not self._holds_source(encoding):
+                return False
+            if built is not None:
+                return True  # else its file is not here: the ladder goes on down
+        if model and self.find(model) is not None:
+            return True
+        return EMBEDDED_DEFAULT in self._extras or self._holds_source(EMBEDDED_DEFAULT)
+
+    def _holds_source(self, source: str) -> bool:
+        return any(m.spec.source == source for m in (*self.models, *self.dormant.values()))
+
     def _extra(self, source: str) -> Model | None:
         """A model loaded on demand for counting, once; a loaded model with that source serves instead."""
         extra = self._extras.get(source, _ABSENT)
