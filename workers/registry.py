@@ -329,6 +329,8 @@ class ModelRegistry:
                 del self._extras[source]
         if self._resident.get(name) is model:  # loaded before the fork: asleep again, its pages still shared
             self.dormant[name] = model
+            if not any(m.cache is model.cache for m in self.models):  # what it cached while awake goes
+                model.cache.clear()
         return model
 
     def find(self, name: str) -> Model | None:
@@ -408,7 +410,9 @@ class ModelRegistry:
         """Cache counters summed over every tokenizer this worker holds (encodings for counting too)."""
         total: dict[str, dict[str, int]] = {}
         extras = [m for m in list(self._extras.values()) if m is not None]
-        caches = {id(m.cache): m.cache for m in (*self.models, *extras)}.values()  # a loaded model may serve as an extra too
+        # a loaded model may serve as an extra too; a dormant one's counters stay in the sums (its
+        # entries and bytes are 0 once it sleeps: `unload` cleared them)
+        caches = {id(m.cache): m.cache for m in (*self.models, *self.dormant.values(), *extras)}.values()
         for cache in caches:
             for layer, counters in cache.stats().items():
                 acc = total.setdefault(layer, {})
