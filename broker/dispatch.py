@@ -19,8 +19,9 @@ bytes), so a busy pool pays the hop once per batch, not per job. A worker is ful
 jobs, or at `worker_bytes` payload bytes once it holds one job: a huge request blocks the queue of
 its own worker only, and small ones go elsewhere meanwhile. A `tokenize` longer than `worker_bytes`
 is the exception when caches are off (`long_off_loop`): a worker encodes it off its round loop
-(workers/background.py; with caches on it encodes inline, its prefixes cached), so it does not
-count against the worker's bytes; instead a worker holds one such job at a time, and the small
+(workers/background.py; with caches on it encodes inline, its prefixes cached); so is a `count`
+that long, in every cache mode (workers/count_lane.py). Such a job does not count against the
+worker's bytes; instead a worker holds one such job at a time, and the small
 jobs keep flowing to it.
 
 A job that names a model goes only to the workers that serve it, as broker/placement.py's
@@ -295,8 +296,11 @@ class Dispatcher:
         return free if allowed is None else allowed & free
 
     def _long(self, job: Job) -> bool:
-        """A tokenize the worker encodes off its loop (workers/ops.py OFFLOAD_BYTES is below this)."""
-        return self.long_off_loop and job.op == "tokenize" and len(job.raw) > self.worker_bytes
+        """A tokenize the worker encodes off its loop (workers/ops.py OFFLOAD_BYTES is below this), or
+        a count, which a worker counts off its loop in every cache mode (workers/count_lane.py)."""
+        if len(job.raw) <= self.worker_bytes:
+            return False
+        return job.op == "count" or (self.long_off_loop and job.op == "tokenize")
 
     def _demand(self, model: str | None, change: int) -> None:
         left = self.demand.get(model, 0) + change  # type: ignore[arg-type]

@@ -121,3 +121,46 @@ def test_published_function_tool_and_responses_counts_through_the_broker():
             reply = conn.call("count", body=case["body"], format=case["format"], model=case["model"], strict=True, timeout=60)
             assert reply["ok"], (case["id"], reply)
             assert (reply["count"], reply["method"], reply["warnings"]) == (case["published_tokens"], "tiktoken", []), case["id"]
+
+
+def test_small_requests_are_answered_while_a_huge_image_count_runs_off_the_round_loop():
+    """Issue 35: the three 3,000-image bodies, each sent with small requests right behind it on one
+    connection and one worker. The count runs on the worker's encode lane (workers/count_lane.py),
+    so every small request is answered before it, and the count is still the sane one."""
+    b64 = _png_header(HUGE, HUGE)
+    with serving() as (broker, conn):
+        assert conn.call("count", body={"messages": [{"role": "user", "content": "warm"}]}, model="gpt-4o")["ok"]
+        want = [conn.call("tokenize", text=f"small {i}")["tokens"] for i in range(4)]  # answered alone
+        for fmt, model, message, scaled in _HUGE_IMAGE_BODIES:
+            key = "contents" if fmt == "gemini.generate" else "messages"
+            conn.send({"id": "big", "op": "count", "body": {key: [message(b64) for _ in range(3000)]},
+                       "format": fmt, "model": model})
+            small = {f"t{i}": {"op": "tokenize", "text": f"small {i}"} for i in range(4)}
+            small["c"] = {"op": "count", "body": {key: [message(b64)]}, "format": fmt, "model": model}
+            for rid, body in small.items():
+                conn.send({"id": rid, **body})
+            replies = [conn.recv(timeout=120) for _ in range(len(small) + 1)]
+            order = [r["id"] for r in replies]
+            assert order[-1] == "big", (fmt, order)  # every small one first
+            assert all(r["ok"] for r in replies), replies
+            by_id = {r["id"]: r for r in replies}
+            assert [by_id[f"t{i}"]["tokens"] for i in range(4)] == want
+            assert scaled <= by_id["c"]["count"] <= scaled + 16
+            assert 3000 * scaled <= by_id["big"]["count"] <= 3000 * (scaled + 16)
+
+
+def test_a_count_is_bounded_before_it_is_counted_and_its_deadline_watched_on_the_lane():
+    """Over --max-batch-items list items a body is answered too_large (nothing harvested); a lane
+    count past its deadline is answered timeout, and the worker goes on serving."""
+    b64 = _png_header(HUGE, HUGE)
+    body = {"messages": [_HUGE_IMAGE_BODIES[1][2](b64) for _ in range(3000)]}
+    with serving("--max-batch-items", "4000") as (_, conn):
+        over = conn.call("count", body=body, format="openai.chat", model="gpt-4o", timeout=120)
+        assert not over["ok"] and over["error"]["code"] == "too_large", over  # 3,000 messages + 3,000 parts
+        assert "--max-batch-items" in over["error"]["message"]
+        half = {"messages": body["messages"][:1500]}
+        assert conn.call("count", body=half, format="openai.chat", model="gpt-4o", timeout=120)["ok"]
+        late = conn.call("count", body={"messages": [{"role": "user", "content": "word " * 20}] * 1500},
+                         format="openai.chat", model="gpt-4o", deadline_ms=1, timeout=120)
+        assert not late["ok"] and late["error"]["code"] == "timeout", late
+        assert conn.call("tokenize", text="still serving", timeout=60)["ok"]

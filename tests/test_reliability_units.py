@@ -138,6 +138,31 @@ def test_a_long_tokenize_holds_one_lane_of_its_worker_and_small_jobs_keep_flowin
     assert [(wid, [j.job_id for j in jobs]) for wid, jobs in d.assign(0.3)] == [(holder, [longs[2].job_id])]
 
 
+def test_a_long_count_holds_one_lane_of_its_worker_in_every_cache_mode():
+    """Workers count a long body off their loop whatever their caches (workers/count_lane.py): the
+    broker sends them small jobs meanwhile, and one long count at a time."""
+    from tokenbroker.broker.affinity import route_key
+    from tokenbroker.broker.dispatch import Dispatcher, Job
+    from tokenbroker.broker.frontend import peek_request
+    from tokenbroker.broker.router import Router
+    from tokenbroker.common.protocol import Envelope, pack
+
+    def job(i: int, op: str, size: int) -> Job:
+        body = {"op": "count", "body": "x" * size} if op == "count" else {"op": op, "text": "x" * size}
+        peek = peek_request(pack(body))
+        return Job(i, Envelope(b"c", True), b"\xc0", peek.raw, peek.op, route_key(peek), received=0.0, deadline=30.0,
+                   queued=0.0)
+
+    for caches_on in (False, True):
+        d = Dispatcher(Router(), spill_wait=0.0, worker_bytes=1000, long_off_loop=not caches_on)
+        d.add_worker(b"w1", 8)
+        for j in (job(1, "count", 5000), job(2, "count", 5000), *(job(10 + i, "tokenize", 10) for i in range(3))):
+            d.enqueue(j)
+        placed = [j.job_id for _, jobs in d.assign(0.1) for j in jobs]
+        assert placed == [1, 10, 11, 12], caches_on  # the second long count waits; the small ones do not
+        assert d._long(job(3, "tokenize", 5000)) is not caches_on  # a long tokenize: off the loop with caches off only
+
+
 @pytest.mark.parametrize("order", ["id-first", "id-last"])
 def test_a_large_text_is_read_in_steps_as_parse_request_reads_it_whole(order):
     from tokenbroker.common.errors import ProtocolError

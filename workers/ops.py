@@ -37,6 +37,7 @@ from .budget import ITEM_OVERHEAD, ReplyBudget
 from .cache import CacheOutcome
 from .background import Done, Lane
 from .count import count_request
+from .count_lane import Stop, count_at_head, engine_encoder, wants_lane
 from .registry import Model, ModelRegistry
 from .tokenin import CHAIN_MEMO_BYTES, Extras, Served, Tokenin, asks_extras, parse_extras
 from .tokenizers import InvalidTokenId, ids_to_u32
@@ -124,6 +125,9 @@ class Ops:
                 if span is not None:
                     self.encodes.submit((job, self._finish_large), partial(self._large, job, span), job.deadline())
                     continue
+                if count_at_head(job.payload):  # a long count: read and counted on the lane (workers/count_lane.py)
+                    self._defer_count(job, None)
+                    continue
             if type(job.payload) is not bytes:  # a large frame the worker took without copying
                 job.payload = bytes(job.payload)
             try:
@@ -134,6 +138,9 @@ class Ops:
                 continue
             if request.op == "chat" and self.renders is not None:
                 out[i] = self._defer_chat(job, request)
+                continue
+            if request.op == "count" and self.encodes is not None and wants_lane(request.payload, len(job.payload), self.registry):
+                self._defer_count(job, request)
                 continue
             model = self._plain_tokenize_model(request)
             if model is None:
@@ -308,7 +315,8 @@ class Ops:
             cols["token_strs"] = []
         if ex.blocks is not None:
             cols["block_hashes"] = []
-        total = truncated = 0
+        total = 0
+        truncated: list[int] = []  # (1.3) one per text, in the texts' order
         for i, t in enumerate(texts):
             self._check_deadline(i)
             served = self.tokenin.serve(model, t, add_special, ex)
@@ -321,12 +329,12 @@ class Ops:
             if ex.blocks is not None:
                 self.tokenin.hash_blocks(served, ex.blocks, tokens if fmt == "u32" and _LITTLE else None)
             total += len(served.ids)
-            truncated += served.truncated
+            truncated.append(served.truncated)
             _add_served(cols, served, tokens, fmt)
         reply = {k: v if batch else v[0] for k, v in cols.items()}
         reply["count"] = total
         if ex.truncate is not None:
-            reply["truncated"] = truncated
+            reply["truncated"] = truncated if batch else truncated[0]
         reply["cache"] = tally.to_wire()
         return reply
 
@@ -487,13 +495,38 @@ class Ops:
                 out.append((job.job_id, answer[1], answer[0]))
         return out
 
-    def op_count(self, p: dict, model_name: str | None, fmt: str) -> dict:
+    def _defer_count(self, job: PendingJob, request: Request | None) -> None:
+        """Count on the encode lane (workers/count_lane.py): the payload parsed there when `request`
+        is None, the reply built there; `_finish_large` sends it (or serves here what is no count)."""
+        stop = Stop(job.deadline())
+
+        def call() -> tuple[bytes, str] | Request:
+            parsed = request
+            if parsed is None:
+                data = bytes(job.payload)
+                try:
+                    parsed = parse_request(data)
+                except ProtocolError as e:
+                    return self._error(raw_id(data), e)
+                if parsed.op != "count":  # a later `op` key won: the round loop serves it
+                    return parsed
+            try:  # built here, not by _serve: that sets the round thread's per-job state
+                fields = self.op_count(parsed.payload, parsed.model, parsed.tokens_format, engine_encoder(stop))
+                return self._capped(ok_reply(parsed.raw_id, {**fields, "worker": self.worker_name})), "ok"
+            except Exception as e:  # noqa: BLE001 - one request's error, as _serve answers it
+                return self._error(parsed.raw_id, e)
+
+        cast(Lane, self.encodes).submit((job, self._finish_large), call, job.deadline(), stop.cancel)
+
+    def op_count(self, p: dict, model_name: str | None, fmt: str,
+                 encoder: Callable[[Model], Callable[[str], int]] | None = None) -> dict:
         body = req(p, "body", (dict, str, bytes))
         fmt_name = opt(p, "format", str, None)
         strict = opt(p, "strict", bool, False)
         tally = CacheTally(self.registry.l0_enabled)
         result = count_request(
-            body, format=fmt_name, model=model_name, strict=strict, env=WorkerCountEnv(self.registry, tally)
+            body, format=fmt_name, model=model_name, strict=strict, env=WorkerCountEnv(self.registry, tally, encoder),
+            max_items=self.limits.max_batch_items,
         )
         reply = {
             "count": result.count,
@@ -696,13 +729,19 @@ class CacheTally:
 
 
 class WorkerCountEnv:
-    """The counting ladder's view of this worker: every rung encodes through a model's cache."""
+    """The counting ladder's view of this worker: every rung encodes through a model's cache (on the
+    round thread), or with `encoder`'s (a count on a lane: workers/count_lane.py)."""
 
-    def __init__(self, registry: ModelRegistry, tally: CacheTally) -> None:
+    def __init__(self, registry: ModelRegistry, tally: CacheTally,
+                 encoder: Callable[[Model], Callable[[str], int]] | None = None) -> None:
         self._registry = registry
         self._tally = tally
+        self._lane_encoder = encoder
 
     def _encoder(self, model: Model) -> Callable[[str], int]:
+        if self._lane_encoder is not None:
+            return self._lane_encoder(model)
+
         def encode(text: str) -> int:
             ids, outcome = model.cache.encode(text, False)
             self._tally.add(outcome)

@@ -14,10 +14,11 @@ a module global.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tokenbroker.common.config import DEFAULT_ALIAS, EMBEDDED_DEFAULT, EMBEDDED_DEFAULT_NAME, CacheConfig, Limits, ModelConfig, ModelSpec
 from tokenbroker.common.errors import BootError, ProtocolError
@@ -33,6 +34,7 @@ from .tokenizers import Tokenizer, load_tokenizer, wrap_encoding
 
 log = logging.getLogger(__name__)
 
+_ABSENT = object()
 OPENAI_ENCODINGS = ("o200k_base", "o200k_harmony", "cl100k_base", "p50k_base", "r50k_base", "gpt2")
 
 
@@ -168,9 +170,10 @@ class ModelRegistry:
     """The models loaded now, and how request model names resolve to them.
 
     At start it loads every configured model, or only the default when `max_models` > 0. Only the
-    main thread (the one that serves jobs) calls `install`, `wake`, `unload` and the counting
-    ladder's `encoding` and `fallback`, so nothing here needs a lock (the loader thread builds a
-    `Model` apart and never sees the registry; the lanes get a model, never the registry).
+    main thread (the one that serves jobs) calls `install`, `wake` and `unload` (the loader thread
+    builds a `Model` apart and never sees the registry). The counting ladder's `encoding`,
+    `fallback` and `find` are called by a count on the encode lane too (workers/count_lane.py):
+    its on-demand models (`_extras`) change under `_extras_lock`, so one is loaded once.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -195,6 +198,7 @@ class ModelRegistry:
                 self._by_name[n] = m
         self._map = TokenizerMap(config.tokenizer_map)
         self._extras: dict[str, Model | None] = {}
+        self._extras_lock = threading.Lock()
 
     def preload(self) -> int:
         """The template, before it forks (workers/zygote.py): load, dormant, every configured model
@@ -307,7 +311,8 @@ class ModelRegistry:
             if prior is not None and prior is not model:
                 log.info("the alias %r moves from model %s to model %s", n, prior.name, model.name)
             self._by_name[n] = model
-        self._extras.pop(model.spec.source, None)  # counting finds this model for its source next time, not a copy loaded apart
+        with self._extras_lock:
+            self._extras.pop(model.spec.source, None)  # counting finds this model for its source next time, not a copy loaded apart
 
     def unload(self, name: str) -> Model | None:
         """Let the model named `name` go (main thread only): its names, and every other reference this
@@ -319,10 +324,13 @@ class ModelRegistry:
         for n in model.names:
             if self._by_name.get(n) is model:
                 del self._by_name[n]
-        for source in [s for s, m in self._extras.items() if m is model]:
-            del self._extras[source]
+        with self._extras_lock:
+            for source in [s for s, m in self._extras.items() if m is model]:
+                del self._extras[source]
         if self._resident.get(name) is model:  # loaded before the fork: asleep again, its pages still shared
             self.dormant[name] = model
+            if not any(m.cache is model.cache for m in self.models):  # what it cached while awake goes
+                model.cache.clear()
         return model
 
     def find(self, name: str) -> Model | None:
@@ -353,8 +361,35 @@ class ModelRegistry:
         """The embedded tokenizer, the counting ladder's last tokenizer rung (whatever the default model is)."""
         return self._extra(EMBEDDED_DEFAULT)
 
+    def counting_ready(self, model: str | None) -> bool:
+        """Whether the counting ladder serves `model` (None: the body names none) without building a
+        tokenizer first: its OpenAI encoding or a loaded model answers to it, or the fallback is
+        built. A count that would build one (an encoding's first use: ~1.6 s) goes to a lane."""
+        from .count.openai_families import openai_encoding_for
+
+        encoding = openai_encoding_for(model) if model else None
+        if encoding is not None:
+            built = self._extras.get(encoding, _ABSENT)
+            if built is _ABSENT and not self._holds_source(encoding):
+                return False
+            if built is not None:
+                return True  # else its file is not here: the ladder goes on down
+        if model and self.find(model) is not None:
+            return True
+        return EMBEDDED_DEFAULT in self._extras or self._holds_source(EMBEDDED_DEFAULT)
+
+    def _holds_source(self, source: str) -> bool:
+        return any(m.spec.source == source for m in (*self.models, *self.dormant.values()))
+
     def _extra(self, source: str) -> Model | None:
         """A model loaded on demand for counting, once; a loaded model with that source serves instead."""
+        extra = self._extras.get(source, _ABSENT)
+        if extra is not _ABSENT:
+            return cast("Model | None", extra)
+        with self._extras_lock:
+            return self._load_extra(source)
+
+    def _load_extra(self, source: str) -> Model | None:
         if source not in self._extras:
             loaded = next((m for m in (*self.models, *self.dormant.values()) if m.spec.source == source), None)
             if loaded is None and source in OPENAI_ENCODINGS:
@@ -375,7 +410,9 @@ class ModelRegistry:
         """Cache counters summed over every tokenizer this worker holds (encodings for counting too)."""
         total: dict[str, dict[str, int]] = {}
         extras = [m for m in list(self._extras.values()) if m is not None]
-        caches = {id(m.cache): m.cache for m in (*self.models, *extras)}.values()  # a loaded model may serve as an extra too
+        # a loaded model may serve as an extra too; a dormant one's counters stay in the sums (its
+        # entries and bytes are 0 once it sleeps: `unload` cleared them)
+        caches = {id(m.cache): m.cache for m in (*self.models, *self.dormant.values(), *extras)}.values()
         for cache in caches:
             for layer, counters in cache.stats().items():
                 acc = total.setdefault(layer, {})

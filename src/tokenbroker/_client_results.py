@@ -212,8 +212,8 @@ class Tokens:
 
 @dataclass(frozen=True, slots=True)
 class TokensBatch:
-    """A batch's ids, one sequence per text, in request order (`tokenize_batch`); `count` and
-    `truncated` are totals, the other 1.2 fields one per text."""
+    """A batch's ids, one sequence per text, in request order (`tokenize_batch`); `count` is the
+    total, the 1.2 fields one per text (`truncated` too, contract 1.3: the ids each text dropped)."""
 
     tokens: list[Ids]
     count: int
@@ -221,7 +221,7 @@ class TokensBatch:
     cache: CacheInfo | None
     offsets: list[Offsets] | None = None
     token_strs: list[list] | None = None
-    truncated: int | None = None
+    truncated: list[int] | None = None
     block_hashes: list[BlockHashes] | None = None
 
 

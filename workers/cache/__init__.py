@@ -118,6 +118,14 @@ class TokenCache:
             self._l0.put(text, add_special_tokens, ids, stored)
         return ids, CacheOutcome(l0, reused)
 
+    def clear(self) -> None:
+        """Let every L0 and L1 entry go, keeping the cumulative counters: the model went back to sleep
+        (workers/registry.py `unload`), and what its traffic cached would stay resident, unseen."""
+        if self._l0 is not None:
+            self._l0.clear()
+        if self._l1 is not None:
+            self._l1.clear()
+
     def stats(self) -> dict[str, dict[str, int]]:
         """Cumulative lookups, evictions and reused bytes per layer, with current entries and charged bytes."""
         empty = LayerStats().as_dict()

@@ -99,3 +99,9 @@ class L0Cache:
     def stats(self) -> dict[str, int]:
         self._stats.entries = len(self._map)
         return self._stats.as_dict()
+
+    def clear(self) -> None:
+        """Let every entry go (its memory with it); the cumulative counters stay."""
+        self._map = OrderedDict()
+        self._stats.bytes = 0
+        self._stats.entries = 0

@@ -88,6 +88,12 @@ class PrefixStore:
             self._keys.append(key)
             self.bytes += charge
 
+    def clear(self) -> None:
+        """Let every prefix go; the eviction count stays."""
+        self._map = {}
+        self._keys = []
+        self.bytes = 0
+
     def _evict_one(self) -> None:
         n = len(self._keys)
         sample = self._rng.sample(range(n), min(EVICTION_SAMPLE, n))
@@ -221,6 +227,9 @@ class L1Cache:
             self._stats.reused_bytes += reused_bytes
         else:
             self._stats.misses += 1
+
+    def clear(self) -> None:
+        self._store.clear()
 
     def stats(self) -> dict[str, int]:
         self._stats.entries = len(self._store)

@@ -33,6 +33,7 @@ from typing import Protocol, cast
 
 from tokenbroker.common.errors import ProtocolError
 
+from .bounds import check_body_items
 from .detect import detect_format
 from .formats import FORMATS, HARVESTERS, FunctionDef, Harvest
 from .gemini import gemini_tokens
@@ -248,12 +249,14 @@ def _count_harvest(h: Harvest, fmt: str, model: str | None, encode: Encoder, wal
     return n + image_tokens(h.images, fmt, name, walk.notes)
 
 
-def count_request(body: object, *, format: str | None, model: str | None, strict: bool, env: CountEnv) -> CountResult:
+def count_request(body: object, *, format: str | None, model: str | None, strict: bool, env: CountEnv,
+                  max_items: int | None = None) -> CountResult:
     """Count the prompt tokens of a provider request body (docs/protocol.md, op `count`).
 
     Raises ProtocolError: bad_request for a `format` or `body` of the wrong kind; with `strict`,
     invalid_input for a body that is not JSON (or not UTF-8) and unknown_model when no tokenizer
-    serves the named model.
+    serves the named model; too_large for a body of more than `max_items` list items (bounds.py),
+    measured before anything is counted.
     """
     if format is not None and format not in FORMATS:
         raise ProtocolError("bad_request", f"field 'format' must be one of {', '.join(FORMATS)} or nil, got {format!r}")
@@ -262,6 +265,8 @@ def count_request(body: object, *, format: str | None, model: str | None, strict
     notes = Notes()
     walk = Walk(notes)
     value = _value(body, format, strict=strict, walk=walk)
+    if max_items is not None:
+        check_body_items(value, max_items)
     if model is None and isinstance(value, dict) and isinstance(value.get("model"), str):
         model = value["model"]
     fmt = "text"

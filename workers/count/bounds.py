@@ -1,0 +1,54 @@
+"""How much a `count` body asks for, measured before any of it is counted.
+
+Harvesting a body costs per item: each message, part, image and tool definition is read, each
+image's header decoded (up to images.IMAGE_HEADER_CHARS), each text encoded. The bytes of a request
+are bounded by the broker's --max-request-bytes, but items are cheap to pack (an empty map is one
+byte): a body of a million empty parts would be counted a million times over. So before a count
+harvests anything, `body_items` walks the body once (iteratively, stopping as soon as it is over)
+and a body holding more items than the worker's --max-batch-items is answered `too_large`, as a
+tokenize batch of more texts would be: the one count that fails without `strict`, because it is a
+limit of the worker's, not a flaw of the input.
+
+>>> body_items({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}] * 3}]}, 100)
+4
+>>> body_items({"contents": [{"parts": [1, 2]}] * 10, "tools": [[0] * 50]}, 5)  # stops at the list that takes it over
+51
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenbroker.common.errors import ProtocolError
+
+
+def body_items(value: Any, limit: int) -> int:
+    """The elements of every list inside `value` (messages, parts, images, tools, ...), counted up
+    to `limit + 1` at most: the walk stops there, so measuring costs no more than the limit."""
+    items = 0
+    stack = [value]
+    seen: set[int] = set()  # a Python caller may share sub-objects; off the wire every node is its own
+    while stack:
+        node = stack.pop()
+        if type(node) is dict:
+            children: Any = node.values()
+        elif type(node) is list:
+            items += len(node)
+            if items > limit:
+                return items
+            children = node
+        else:
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(c for c in children if type(c) is dict or type(c) is list)
+    return items
+
+
+def check_body_items(value: Any, limit: int) -> None:
+    """ProtocolError too_large when `value` holds more than `limit` items (see the module's docstring)."""
+    items = body_items(value, limit)
+    if items > limit:
+        raise ProtocolError("too_large", f"field 'body' holds more than {limit} messages, parts, images and other "
+                            f"list items; this worker counts at most {limit} (--max-batch-items): split the body")
