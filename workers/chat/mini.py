@@ -49,8 +49,14 @@ class TemplateRaised(Exception):
         self.message = message
 
 
+class _AskJinja2(Exception):
+    """A value MiniJinja hands to Python that may have been undefined: only jinja2 knows what follows."""
+
+
 def _raise_exception(message: Any = None) -> NoReturn:
     # transformers raises jinja2's TemplateError(message); the reply carries str() of it
+    if message is None:  # none, or undefined (MiniJinja passes both as None), which jinja2 prints as ""
+        raise _AskJinja2
     text = str(jinja2.exceptions.TemplateError(message)) or "TemplateError"
     raise TemplateRaised(text[:_MAX_MESSAGE_CHARS])
 
@@ -61,7 +67,13 @@ def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call i
 
 def _hf_tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
                sort_keys: bool = False) -> str:
-    """transformers' tojson (json.dumps with its keyword arguments), within the render's size budget."""
+    """transformers' tojson (json.dumps with its keyword arguments), within the render's size budget.
+
+    None may be an undefined value (MiniJinja passes both as None): json.dumps raises on jinja2's
+    Undefined, so jinja2 renders that chat (found by the hypothesis test: llama 3.2, a tool message
+    without content)."""
+    if value is None:
+        raise _AskJinja2
     if isinstance(separators, list):  # a Jinja tuple arrives as a list; json.dumps unpacks either
         separators = tuple(separators)
     return _tojson(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
