@@ -89,23 +89,23 @@ def test_random_conversations_render_the_same_with_both_engines(served, conversa
     if "tool_use" in template and conversation["tools"] is None:
         return
     try:
-        _, variables, _ = renderer.variables(**conversation, source=renderer.templates.by_name()["tool_use"]
-                                             if "tool_use" in template else None)
+        _, variables, _, fuel = renderer.variables(**conversation, source=renderer.templates.by_name()["tool_use"]
+                                                   if "tool_use" in template else None)
     except ProtocolError:
         return
-    mini = _mini_outcome(shared_engine(), number, variables, 1 << 24)
+    mini = _mini_outcome(shared_engine(), number, variables, fuel, 1 << 24)
     if mini[0] == "error":
         return
-    _, variables, _ = renderer.variables(**conversation, source=renderer.templates.by_name()["tool_use"]
-                                         if "tool_use" in template else None)
+    _, variables, _, _ = renderer.variables(**conversation, source=renderer.templates.by_name()["tool_use"]
+                                            if "tool_use" in template else None)
     assert mini == _jinja2_outcome(jinja_template, variables, 1 << 24)
 
 
 def test_minijinja_is_what_renders_the_common_case(served):
     """Guards the test above against comparing only fallbacks."""
     renderer, _, number = served["qwen3.jinja"]
-    _, variables, _ = renderer.variables([{"role": "user", "content": "hi"}])
-    assert _mini_outcome(shared_engine(), number, variables, 1 << 20)[0] == "ok"
+    _, variables, _, fuel = renderer.variables([{"role": "user", "content": "hi"}])
+    assert _mini_outcome(shared_engine(), number, variables, fuel, 1 << 20)[0] == "ok"
     before = renderer.fallbacks
     assert "hi" in renderer.render([{"role": "user", "content": "hi"}])
     assert renderer.fallbacks == before and renderer.sandbox.pid() is None or renderer.fallbacks == before
@@ -170,9 +170,9 @@ def test_a_served_template_turned_hostile_by_its_input_is_stopped_by_fuel_then_j
     assert r.engine == MINIJINJA
     assert r.render([{"role": "user", "content": "fine"}]) == "fine"
     source = r.templates.default
-    _, variables, _ = r.variables([{"role": "user", "content": "boom"}])
+    _, variables, _, fuel = r.variables([{"role": "user", "content": "boom"}])
     before = resource.getrusage(resource.RUSAGE_SELF)
-    assert _mini_outcome(shared_engine(), r._choices[source].number, variables, 1_000_000) == ("error", None)
+    assert _mini_outcome(shared_engine(), r._choices[source].number, variables, fuel, 1_000_000) == ("error", None)
     after = resource.getrusage(resource.RUSAGE_SELF)
     # The in-process part (the GIL held, the worker's round loop waiting) is bounded by fuel:
     assert after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime < 1.0
