@@ -158,6 +158,7 @@ class Catalog:
                 "aliases": list(entry.spec.aliases),
                 "kind": info.get("kind", ""),
                 "backend": backends.get(entry.name) or info.get("backend", ""),
+                "chat_renderer": info.get("chat_renderer", ""),  # docs/chat.md
                 "vocab_size": info.get("vocab_size", 0),
                 "special_tokens": list(info.get("special_tokens", [])),
                 "chat_template": bool(info.get("chat_template", entry.spec.chat_template is not None)),

@@ -490,6 +490,7 @@ class ModelInfo:
     model_max_length: int | None = None
     added_tokens: int = 0
     backend: str = ""  # the library that encodes it when this was sent: fastokens, tokenizers, tiktoken
+    chat_renderer: str = ""  # the engine that renders its chat template: minijinja, jinja2 ("" without one)
 
     def to_wire(self) -> dict:
         return dict(self.__dict__)
@@ -524,7 +525,8 @@ class ModelInfo:
                    bos_token=_checked_str(d, "bos_token", "model info", optional=True),
                    eos_token=_checked_str(d, "eos_token", "model info", optional=True),
                    model_max_length=max_length, added_tokens=added,
-                   backend=_checked_str(d, "backend", "model info", optional=True, limit=64) or "")
+                   backend=_checked_str(d, "backend", "model info", optional=True, limit=64) or "",
+                   chat_renderer=_checked_str(d, "chat_renderer", "model info", optional=True, limit=256) or "")
 
 
 @dataclass(frozen=True)

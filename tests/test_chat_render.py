@@ -455,18 +455,18 @@ def test_a_value_no_check_predicts_hits_the_memory_budget_and_the_next_render_wo
 
 def test_one_long_c_call_is_cut_at_the_deadline_by_killing_the_render_child():
     r = _renderer("{{ ([[1]] * 300000) | sum(start=[]) | length }}", max_seconds=0.3)
-    _renderer("{{ messages[0].content }}").render([{"role": "user", "content": "start"}])
+    _renderer("{{ messages[0].content }}", prefer="jinja2").render([{"role": "user", "content": "start"}])
     before = r.sandbox.pid()  # every renderer in a process shares one render child
     with pytest.raises(ProtocolError) as e:
         r.render([{"role": "user", "content": "a"}])
     assert e.value.code == "template_error"
     assert e.value.message == "chat template rendering took longer than 0.3 s (its time budget)"
-    assert _renderer("{{ messages[0].content }}").render([{"role": "user", "content": "next"}]) == "next"
+    assert _renderer("{{ messages[0].content }}", prefer="jinja2").render([{"role": "user", "content": "next"}]) == "next"
     assert r.sandbox.pid() not in (None, before)
 
 
 def test_a_render_child_that_died_while_idle_is_replaced():
-    r = _renderer("{{ messages[0].content }}")
+    r = _renderer("{{ messages[0].content }}", prefer="jinja2")
     assert r.render([{"role": "user", "content": "one"}]) == "one"
     pid = r.sandbox.pid()
     os.kill(pid, signal.SIGKILL)
@@ -498,7 +498,7 @@ def test_sandbox_blocks_unsafe_access():
 
 
 def test_each_template_is_sent_to_the_render_child_once_and_kept_there():
-    r = _renderer("{% for m in messages %}{{ m.content }}{% endfor %}(sent once)")
+    r = _renderer("{% for m in messages %}{{ m.content }}{% endfor %}(sent once)", prefer="jinja2")
     for _ in range(3):
         assert r.render([{"role": "user", "content": "a"}]) == "a(sent once)"
     number = r.sandbox._numbers[r.templates.default]

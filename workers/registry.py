@@ -81,6 +81,11 @@ class Model:
             self._renderer = ChatRenderer(self.templates, specials)
         return self._renderer
 
+    def chat_renderer(self) -> str:
+        """The engine that renders its chat template (chat/probes.py proves it when the template loads),
+        "" without a template."""
+        return "" if self.templates is None else self.renderer().engine
+
     @property
     def names(self) -> tuple[str, ...]:
         """Its name, then its aliases: what resolves to it."""
@@ -100,7 +105,8 @@ class Model:
         bounded: dict[str, Any] = {k: v[:1024] if isinstance(v, str) else v for k, v in facts.items()}
         return ModelInfo(kind=t.kind[:64], vocab_size=t.vocab_size, special_tokens=specials,
                          chat_template=self.templates is not None, cached=self.cache.enabled,
-                         source=t.description[:1024], backend=t.backend, **bounded)
+                         source=t.description[:1024], backend=t.backend, chat_renderer=self.chat_renderer()[:256],
+                         **bounded)
 
     def describe(self) -> dict:
         t = self.tokenizer
@@ -109,6 +115,7 @@ class Model:
             "aliases": list(self.spec.aliases),
             "kind": t.kind,
             "backend": t.backend,
+            "chat_renderer": self.chat_renderer(),
             "vocab_size": t.vocab_size,
             "special_tokens": sorted(t.special_tokens),
             "chat_template": self.templates is not None,

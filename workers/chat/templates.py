@@ -31,6 +31,12 @@ class ChatTemplates:
     named: dict[str, str]  # all named templates (incl. "default"/"tool_use" when given as a list)
     source: str  # where it came from, for logs and errors
 
+    def by_name(self) -> dict[str, str]:
+        """Every template by name ("default" for a lone one)."""
+        if self.named:
+            return dict(self.named)
+        return {} if self.default is None else {"default": self.default}
+
     def select(self, tools: list | None) -> str:
         """The template for a request, by transformers' get_chat_template rules (tools given: `tool_use`)."""
         if self.named:
