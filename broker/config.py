@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from tokenbroker.common.config import (
     DEFAULT_FRONTEND,
+    DEFAULT_WORKER_MAX_MEMORY,
     MiB,
     ModelConfig,
     ModelFlags,
@@ -97,6 +98,9 @@ class BrokerConfig:
     worker_start: str = flag("--worker-start", "fork", choices=("fork", "exec"),  # broker/supervisor.py
                              help="fork: local workers fork from one process that loaded the models, and share their memory; "
                                   "exec: each worker loads its own copy")
+    worker_max_memory: int = flag("--worker-max-memory", DEFAULT_WORKER_MAX_MEMORY, type=non_negative_int, metavar="BYTES",
+                                  help="a local worker whose private memory passes this (2 GiB unless told) finishes its "
+                                       "round, stops taking jobs and is replaced by a fresh one (0: no ceiling)")
     worker_max_bytes: int = flag("--worker-max-bytes", 1 * MiB, type=positive_int,
                                  help="payload bytes a worker may hold before it is sent more (a huge request holds up its own worker only)")
     routing: str = flag("--routing", "affinity", choices=("affinity", "least-loaded"),

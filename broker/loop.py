@@ -403,6 +403,7 @@ class Broker:
             queue_depth=self.dispatcher.waiting,
             held=len(self.jobs),
             restarts=self.supervisor.restarts,
+            recycled=self.supervisor.recycled,
             workers=tuple(
                 WorkerView(
                     name=w.name,

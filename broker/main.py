@@ -75,6 +75,7 @@ def serve(config: BrokerConfig) -> int:
     wakeup, restore_signals = install_signal_wakeup()
     supervisor = Supervisor(count=config.workers, connect=backend_endpoint, name_prefix=f"local{os.getpid()}",
                             worker_argv=[*model_argv(config.models), "--capacity", str(config.worker_capacity),
+                                         "--max-memory", str(config.worker_max_memory),
                                          *security.local_worker_argv(backend_endpoint)],
                             start_mode=config.worker_start)
     tell_peer, is_admin = admin_gate(security, config.frontend)

@@ -191,6 +191,8 @@ def _pool_families(snapshot: PoolSnapshot, totals: Mapping[str, int]) -> Iterato
     yield GaugeMetricFamily("tokenbroker_requests_held", "Requests received and not yet answered (queued or at a worker)",
                             value=snapshot.held)
     yield CounterMetricFamily("tokenbroker_worker_restarts", "Local workers restarted after an exit", value=snapshot.restarts)
+    yield CounterMetricFamily("tokenbroker_worker_recycles", "Local workers replaced because their private memory passed "
+                              "--worker-max-memory", value=snapshot.recycled)
     yield CounterMetricFamily("tokenbroker_worker_jobs", "Jobs workers finished, all workers ever", value=totals.get("served", 0))
     states = GaugeMetricFamily("tokenbroker_workers", "Connected workers by state", labels=["state"])
     for state in WORKER_STATES:

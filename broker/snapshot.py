@@ -42,6 +42,7 @@ class PoolSnapshot:
     queue_depth: int = 0  # requests waiting for a worker
     held: int = 0  # requests received and not yet answered
     restarts: int = 0  # local workers restarted after an exit
+    recycled: int = 0  # local workers replaced because their memory passed --worker-max-memory
     workers: tuple[WorkerView, ...] = ()
     router: Mapping[str, int] = field(default_factory=dict)  # Router.stats()
     models: Mapping[str, ModelView] = field(default_factory=dict)  # catalog model name -> its view

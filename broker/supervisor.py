@@ -10,6 +10,11 @@ Two ways to start them (`--worker-start`):
   template die, its workers are killed and replaced through a new template.
 - exec: each worker a fresh interpreter (`python -m tokenbroker worker ...`) that loads its own copy.
 
+A worker whose private memory passed its ceiling (--worker-max-memory) leaves on purpose with
+EXIT_RECYCLED once the broker has what it held: it is replaced at once and counted as a recycle, not
+a restart (a worker that passes it within STABLE_S of its start is replaced with the crash backoff:
+its ceiling is too low for what it loads).
+
 A worker that cannot load its tokenizers exits with EXIT_BOOT_ERROR (in fork mode the template
 does, for all of them): that is a configuration error, not a crash, so it is not respawned (the
 broker refuses to start, or logs and runs short).
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 
 from tokenbroker.common.process import (
     EXIT_BOOT_ERROR,
+    EXIT_RECYCLED,
     ONE_THREAD_ENV,
     PARENT_PID_ENV,
     ZYGOTE_EXIT,
@@ -193,11 +199,18 @@ class Exit:
     def boot_error(self) -> bool:
         return self.returncode == EXIT_BOOT_ERROR
 
+    @property
+    def recycled(self) -> bool:
+        """It left on purpose: its memory had passed its ceiling."""
+        return self.returncode == EXIT_RECYCLED and not self.killed_as_hung and not self.note
+
     def describe(self) -> str:
         if self.killed_as_hung:
             return f"worker {self.name} (pid {self.pid}) was killed for not answering heartbeats"
         if self.note:
             return f"worker {self.name} (pid {self.pid}) was stopped: {self.note}"
+        if self.recycled:
+            return f"worker {self.name} (pid {self.pid}) left at its memory ceiling (--worker-max-memory)"
         if self.returncode < 0:
             try:
                 sig = signal.Signals(-self.returncode).name
@@ -227,6 +240,8 @@ class Supervisor:
         self.backoff: dict[int, float] = {}
         self.generation = 0
         self.restarts = 0
+        self.recycled = 0  # workers replaced because they passed their memory ceiling (not in `restarts`)
+        self.recycling: set[int] = set()  # slots whose worker left at its ceiling, until the new one starts
         self.stopping = False
         self.killed_as_hung: set[str] = set()
 
@@ -290,8 +305,17 @@ class Supervisor:
             if ex.boot_error:
                 log.error("%s: it cannot load its tokenizers; not restarting it", ex.describe())
                 continue
-            log.error("%s; restarting it", ex.describe())
             lived = now - child.started
+            if ex.recycled:
+                self.recycling.add(slot)
+                if lived > STABLE_S:
+                    log.info("%s after %.0fs: replacing it", ex.describe(), lived)
+                    self.respawn_at[slot] = now
+                    continue
+                log.error("%s only %.1fs after it started: raise --worker-max-memory above what a worker loads; "
+                          "replacing it after a backoff", ex.describe(), lived)
+            else:
+                log.error("%s; restarting it", ex.describe())
             delay = 0.0 if lived > STABLE_S else min(self.backoff.get(slot, BACKOFF_INIT_S / 2) * 2, BACKOFF_MAX_S)
             self.backoff[slot] = delay if delay else BACKOFF_INIT_S / 2
             self.respawn_at[slot] = now + delay
@@ -301,7 +325,11 @@ class Supervisor:
         for slot, at in list(self.respawn_at.items()):
             if now >= at and not self.stopping:
                 del self.respawn_at[slot]
-                self.restarts += 1
+                if slot in self.recycling:
+                    self.recycling.discard(slot)
+                    self.recycled += 1
+                else:
+                    self.restarts += 1
                 self.spawn(slot)
 
     def kill(self, name: str) -> None:

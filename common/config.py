@@ -31,6 +31,12 @@ BACKEND_ENV = "TOKENBROKER_TOKENIZER_BACKEND"
 
 MiB = 1024 * 1024
 
+# A worker's memory ceiling unless told otherwise (`serve --worker-max-memory`, `worker --max-memory`;
+# docs/sizing.md, "A worker's memory ceiling"): room for a few tokenizers' engine caches on two
+# threads (~130 MiB each for DeepSeek), L0 and L1 at their default bounds, and the models a worker
+# loads itself; what passes it is growth nothing else bounds.
+DEFAULT_WORKER_MAX_MEMORY = 2048 * MiB
+
 # The broker's frontend, where clients connect unless told otherwise (docs/protocol.md, "Sockets").
 DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
 

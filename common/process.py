@@ -13,6 +13,10 @@ PARENT_PID_ENV = "TOKENBROKER_PARENT_PID"
 # Worker process exit code when its tokenizers cannot be loaded: not a crash, never respawned.
 EXIT_BOOT_ERROR = 3
 
+# Worker process exit code when it left on purpose because its private memory passed its ceiling
+# (--max-memory; workers/main.py): not a crash, replaced at once by a fresh one.
+EXIT_RECYCLED = 4
+
 # One worker uses one core: the tokenizers library's thread pool must not fan out. Read when
 # tokenizers is first imported, so set before that: by the supervisor in a local worker's
 # environment, and by the worker itself (use_one_thread) when started some other way.
@@ -46,14 +50,26 @@ def proportional_bytes(pid: int | str = "self") -> int | None:
     the processes that map it, from /proc/PID/smaps_rollup (~0.1-1 ms: the kernel walks the page
     tables). Forked workers share the template's pages, so RSS counts those once per worker and PSS
     sums to the pool's real memory. None where the file is not there (not Linux, a process gone)."""
+    figures = memory_figures(pid)
+    return None if figures is None else figures[0]
+
+
+def memory_figures(pid: int | str = "self") -> tuple[int, int] | None:
+    """(PSS, private) bytes of a process, from one read of /proc/PID/smaps_rollup. Private memory
+    (Private_Clean + Private_Dirty: pages no other process maps) is what ending the process gives
+    back: a forked worker's own growth, without the template's pages it shares, whose PSS share
+    rises whenever a sibling leaves. None where the file is not there."""
+    pss = private = 0
     try:
         with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
             for line in f:
                 if line.startswith(b"Pss:"):
-                    return int(line.split()[1]) * 1024
+                    pss = int(line.split()[1]) * 1024
+                elif line.startswith(b"Private_"):  # Private_Clean, Private_Dirty, Private_Hugetlb
+                    private += int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
-    return None
+    return pss, private
 
 
 # --- the template worker (workers/zygote.py) and the supervisor that drives it ---------------

@@ -115,7 +115,7 @@ SP_NAMED = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_
 @cache
 def tokenizer(name: str) -> Any:
     """The shipped tokenizers as a worker serves them, with the engine it chooses (fastokens for
-    DeepSeek and cl100k, the reference for BERT, which fastokens refuses); the SentencePiece-style
+    DeepSeek, tiktoken for cl100k (a whitespace-edge probe fails), the reference for BERT, which fastokens refuses); the SentencePiece-style
     ones built here in the worker's shape, on the reference (fastokens has no Unigram)."""
     if name == "deepseek":
         return served_tokenizer(EMBEDDED_DEFAULT)

