@@ -1,0 +1,86 @@
+"""What every fuzz target in this folder shares: how atheris runs it, and the byte source its
+structure-aware generators read their choices from.
+
+A target is one file, `fuzz_<name>.py`, with three things:
+
+- `fuzz_one(data: bytes) -> None`: runs one input through the compiled code and checks it against
+  the reference (msgpack, the reply contract, ...); it raises (AssertionError) on a disagreement.
+  It imports no atheris, so the suite can replay inputs without it.
+- `seeds() -> list[bytes]`: the starting corpus, written in code (the repository keeps no binary
+  corpus; libFuzzer writes what it finds to a temporary folder, never into the tree).
+- `if __name__ == "__main__": run(fuzz_one, seeds)`.
+
+Run one by hand for minutes:  .venv/bin/python tests/fuzz/fuzz_wire.py -max_total_time=300
+(any libFuzzer flag works: -runs=N, -seed=S, -jobs; a folder given last is the corpus to grow).
+tests/test_fuzz.py runs every target for a bounded number of inputs, and replays its seeds.
+
+Coverage: atheris instruments the Python code (the generators, the oracle's branches); the Cython
+core is compiled by gcc without libFuzzer's coverage hooks, so the search is guided by the shape
+of the generated values, not by the core's branches. That is why the generators build values
+header by header (every width of every kind, non-canonical encodings msgpack never writes, lengths
+that lie) instead of leaving the structure to blind byte flips.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+
+class Choices:
+    """The fuzzer's bytes read as a stream of decisions; zeros once they run out, so every input,
+    however short, decodes to a finished value."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.at = 0
+
+    def byte(self) -> int:
+        if self.at >= len(self.data):
+            return 0
+        b = self.data[self.at]
+        self.at += 1
+        return b
+
+    def below(self, n: int) -> int:
+        """A number in [0, n) (n <= 65536)."""
+        if n <= 256:
+            return self.byte() % n
+        return (self.byte() << 8 | self.byte()) % n
+
+    def take(self, n: int) -> bytes:
+        got = self.data[self.at:self.at + n]
+        self.at += len(got)
+        return got.ljust(n, b"\0")
+
+    def left(self) -> int:
+        return len(self.data) - self.at
+
+
+def _instrument(atheris: Any, module: ModuleType) -> None:
+    """Coverage hooks in the target's own functions only. Not atheris.instrument_all (a minute at
+    start, every loaded module), nor Choices' readers: called per decision, their hooks cost 4x
+    the executions per second and cover nothing worth reaching."""
+    for obj in vars(module).values():
+        if inspect.isfunction(obj) and obj.__module__ == module.__name__:
+            atheris.instrument_func(obj)
+
+
+def run(fuzz_one: Callable[[bytes], None], seeds: Callable[[], list[bytes]]) -> None:
+    """libFuzzer's main over `fuzz_one`, the seeds written to a temporary corpus folder (after any
+    folder named on the command line, which is the one libFuzzer adds new inputs to)."""
+    import atheris
+
+    argv = list(sys.argv)
+    seed_dir = Path(tempfile.mkdtemp(prefix="tb-fuzz-seeds-"))
+    for i, seed in enumerate(seeds()):
+        (seed_dir / f"seed-{i:04d}").write_bytes(seed)
+    argv.append(str(seed_dir))
+    _instrument(atheris, sys.modules[fuzz_one.__module__])
+    atheris.Setup(argv, fuzz_one)
+    atheris.Fuzz()

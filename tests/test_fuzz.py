@@ -1,0 +1,59 @@
+"""Every fuzz target in tests/fuzz/ (one file per target, `fuzz_<name>.py`: see tests/fuzz/_harness.py),
+run briefly in the suite: its seeds replayed in this process, then a bounded atheris run in a child
+process (a crash in compiled code ends that child, not the suite, and fails the test with libFuzzer's
+report). Long runs are by hand: .venv/bin/python tests/fuzz/fuzz_<name>.py -max_total_time=300
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+FUZZ = Path(__file__).parent / "fuzz"
+TARGETS = sorted(FUZZ.glob("fuzz_*.py"))
+RUNS = 3000  # a few seconds per target on a loaded 2-core machine; libFuzzer's -seed fixes the inputs
+
+
+def load(target: Path) -> ModuleType:
+    sys.path.insert(0, str(FUZZ))
+    try:
+        spec = importlib.util.spec_from_file_location(target.stem, target)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(FUZZ))
+    return module
+
+
+def test_there_are_targets():
+    assert any(t.stem == "fuzz_wire" for t in TARGETS)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.stem)
+def test_seeds_pass(target: Path):
+    module = load(target)
+    seeds = module.seeds()
+    assert seeds
+    for seed in seeds:
+        module.fuzz_one(seed)
+        for cut in (0, 1, len(seed) // 2):  # shorter inputs decode too (the choices run out as zeros)
+            module.fuzz_one(seed[:cut])
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.stem)
+def test_bounded_fuzz_run(target: Path, tmp_path: Path):
+    pytest.importorskip("atheris", reason="atheris (the test extra) is not installed: no fuzz run")
+    argv = [sys.executable, str(target), f"-runs={RUNS}", "-seed=1", "-max_total_time=60", "-rss_limit_mb=1024",
+            f"-artifact_prefix={tmp_path}/", str(tmp_path / "corpus")]
+    (tmp_path / "corpus").mkdir()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    report = done.stderr[-4000:]
+    assert done.returncode == 0, f"{target.name} found a failing input (rc {done.returncode}):\n{report}"
+    assert "Done " in done.stderr, report  # libFuzzer's summary: the runs really happened
+    assert not list(tmp_path.glob("crash-*")) and not list(tmp_path.glob("timeout-*")), report
