@@ -62,13 +62,25 @@ ENGINE_AFTER_S = 30.0
 @dataclass(eq=False)
 class EngineTicket:
     """A loaded tokenizer to give its fast engine, under --tokenizer-backend `mode`, not before
-    `not_before` (monotonic); `cancelled` (main thread): its model was let go, build nothing."""
+    `not_before` (monotonic); `cancelled` (main thread): its model was let go, build nothing.
 
-    tokenizer: Tokenizer
+    A cancelled ticket lets go of its tokenizer at once (`cancel`): a deferred one waits in the
+    loader's queue until ENGINE_AFTER_S after its load, and behind a ticket that is not due yet
+    longer still, so holding the tokenizer pinned every model unloaded meanwhile. A capped exec
+    worker that loaded about a model a second held up to 30 of them (issue 35: 650-700 MiB
+    after 166 loads and unloads).
+    """
+
+    tokenizer: Tokenizer | None  # None once cancelled
     name: str
     mode: str
     not_before: float = 0.0
     cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Main thread: build nothing, and keep nothing of the model alive."""
+        self.cancelled = True
+        self.tokenizer = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,7 @@ class EngineOutcome:
     """The fast engine built and probed for a ticket's tokenizer, or None and why not."""
 
     ticket: EngineTicket
+    tokenizer: Tokenizer  # the ticket's, as it was built for (the ticket lets go of it if cancelled meanwhile)
     engine: FastEngine | None
     reason: str | None
     seconds: float
@@ -196,13 +209,15 @@ class Loader:
                 if first:
                     self._submitted.wait(ticket.not_before - time.monotonic())
                 continue
-            if isinstance(ticket, EngineTicket) and ticket.cancelled:
-                continue
             outcome: Outcome | EngineOutcome
             if isinstance(ticket, EngineTicket):
+                tok = ticket.tokenizer  # held while it is built: the main thread may cancel meanwhile
+                if ticket.cancelled or tok is None:
+                    continue
                 start = time.monotonic()
-                engine, reason = speed_up(ticket.tokenizer, ticket.mode, name=ticket.name)
-                outcome = EngineOutcome(ticket, engine, reason, time.monotonic() - start)
+                engine, reason = speed_up(tok, ticket.mode, name=ticket.name)
+                outcome = EngineOutcome(ticket, tok, engine, reason, time.monotonic() - start)
+                del tok, engine
             elif ticket.cancelled:
                 outcome = Outcome(ticket, None, "cancelled", 0.0)
             else:
@@ -311,7 +326,7 @@ class ModelInstaller:
         elif self.registry.unload(name) is not None:
             engine = self.engines.pop(name, None)
             if engine is not None and not self.registry.holds(engine.tokenizer):
-                engine.cancelled = True  # not built yet (or its result is skipped): the model is gone
+                engine.cancel()  # not built yet (or its result is skipped): the model is gone
             if name in self.registry.dormant:
                 log.info("model %s: unloaded (dormant again: the template's copy stays shared)", name)
                 return
@@ -351,7 +366,7 @@ class ModelInstaller:
     def _switch(self, outcome: EngineOutcome) -> None:
         """Serve a tokenizer with its fast engine from the next round on (main thread, between rounds:
         one attribute set, so no job sees half a switch). A tokenizer let go meanwhile is skipped."""
-        tok = outcome.ticket.tokenizer
+        tok = outcome.tokenizer
         if self.engines.get(outcome.ticket.name) is outcome.ticket:
             del self.engines[outcome.ticket.name]
         if outcome.engine is None:
