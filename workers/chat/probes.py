@@ -40,6 +40,10 @@ JINJA2 = "jinja2"
 # error: jinja2 renders the chat again.
 FUEL_BASE = 100_000
 FUEL_PER_CHAR = 1
+# MiniJinja holds the GIL while it renders, so the worker's other jobs wait behind it: a chat with
+# more input than this renders with jinja2 in the render child (as every chat did before), and no
+# MiniJinja render gets more than FUEL_BASE + MAX_INPUT_CHARS of fuel (milliseconds; docs/chat.md).
+MAX_INPUT_CHARS = 256 * 1024
 PROBE_SECONDS = 2.0  # jinja2's time budget for each probe render
 
 
@@ -54,10 +58,10 @@ def has_py_only_space(text: str) -> bool:
     return "\x1c" in text or "\x1d" in text or "\x1e" in text or "\x1f" in text
 
 
-def fuel_for(chars: int) -> int:
+def fuel_for(chars: int) -> int | None:
     """The fuel a render gets for an input of `chars` characters (as ChatRenderer.variables counts
-    them): the allowance plus one unit per character."""
-    return FUEL_BASE + FUEL_PER_CHAR * chars
+    them): the allowance plus one unit per character; None past MAX_INPUT_CHARS (jinja2 renders it)."""
+    return None if chars > MAX_INPUT_CHARS else FUEL_BASE + FUEL_PER_CHAR * chars
 
 
 @dataclass(frozen=True)
