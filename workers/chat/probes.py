@@ -44,7 +44,8 @@ FUEL_PER_CHAR = 1
 # more input than this renders with jinja2 in the render child (as every chat did before), and no
 # MiniJinja render gets more than FUEL_BASE + MAX_INPUT_CHARS of fuel (milliseconds; docs/chat.md).
 MAX_INPUT_CHARS = 256 * 1024
-PROBE_SECONDS = 2.0  # jinja2's time budget for each probe render
+PROBE_SECONDS = 0.5  # jinja2's time budget for each probe render
+PROBES_CPU_SECONDS = 2.0  # all the probes of one template: past this, jinja2 renders it (the shipped take 5-30 ms)
 
 
 # Characters Python's str.isspace() counts and Rust's char::is_whitespace() does not (the only
@@ -201,6 +202,8 @@ def choose(source: str, renderer: ChatRenderer, engine: MiniEngine, max_bytes: i
         if mini != reference:
             what = "renders it" if reference[0] == "ok" else f"answers {reference[0]}"
             return Choice(JINJA2, f"the probe '{name}' differs: jinja2 {what}, MiniJinja gives {mini[0]}")
+        if time.process_time() - started > PROBES_CPU_SECONDS:
+            return Choice(JINJA2, f"its probes took over {PROBES_CPU_SECONDS:g} s of CPU")
     log.debug("chat template probed in %.1f ms of CPU", (time.process_time() - started) * 1000)
     return Choice(MINIJINJA, "", number)
 
