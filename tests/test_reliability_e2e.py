@@ -214,7 +214,8 @@ def test_small_requests_keep_being_answered_while_30_mb_frames_are_read_and_enco
     assert answered >= 100, answered
 
 
-BURN = r"""{%- if case == 'burn' -%}{%- for i in range(100000) -%}{%- for j in range(100000) -%}{%- endfor -%}{%- endfor -%}{%- endif -%}
+# `'-' * 0` keeps it on jinja2, in the render child (chat/gate.py): MiniJinja would stop the burn by fuel.
+BURN = r"""{%- set jinja2_only = '-' * 0 -%}{%- if case == 'burn' -%}{%- for i in range(100000) -%}{%- for j in range(100000) -%}{%- endfor -%}{%- endfor -%}{%- endif -%}
 {%- for m in messages %}<{{ m.role }}>{{ m.content[:8] }}{% endfor -%}"""
 
 

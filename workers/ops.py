@@ -84,9 +84,10 @@ class ChatJob:
     """A chat between its fields and its reply: the model, its render (a call that blocks), what to return."""
 
     model: Model
-    render: Callable[[], str]
+    render: Callable[[], str]  # jinja2, in the render child: may wait up to the render's time budget
     return_prompt: bool
     extras: Extras | None = None  # (1.2) offsets, token strings, truncation, block hashes of the prompt
+    here: Callable[[], str | None] = lambda: None  # MiniJinja, bounded by fuel; None: `render` renders it
 
 
 class Ops:
@@ -101,7 +102,8 @@ class Ops:
         self._tails: dict[str, bytes] = {}  # _packed_replies' fixed reply ends, by the `cache` map's l0
         caches = registry.cache_config
         self.tokenin = Tokenin(CHAIN_MEMO_BYTES if caches.l0_enabled or caches.l1_enabled else 0)
-        # Set by the worker: chats render, and long texts encode, off its round loop (workers/background.py).
+        # Set by the worker: jinja2 chat renders, and long texts encode, off its round loop (workers/background.py);
+        # MiniJinja renders in the round, bounded by fuel (workers/chat/mini.py).
         self.renders: Lane | None = None
         self.encodes: Lane | None = None
 
@@ -378,7 +380,8 @@ class Ops:
 
     def op_chat(self, p: dict, model_name: str | None, fmt: str) -> dict:
         chat = self._chat_start(p, model_name)
-        return self._chat_finish(chat, chat.render(), fmt)
+        prompt = chat.here()
+        return self._chat_finish(chat, chat.render() if prompt is None else prompt, fmt)
 
     def _chat_start(self, p: dict, model_name: str | None) -> ChatJob:
         """A chat's fields read and its model resolved: what its render (inline or in the background) needs."""
@@ -393,9 +396,11 @@ class Ops:
             if not isinstance(m, dict):
                 raise ProtocolError("bad_request", f"field 'messages[{i}]' must be a map, got {type_name(m)}")
         model = self.registry.resolve(model_name)
-        render = partial(model.renderer().render, messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                         continue_final_message=continue_final, extra=kwargs)
-        return ChatJob(model, render, return_prompt, extras)
+        renderer = model.renderer()
+        prepared = renderer.prepare(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final, extra=kwargs)
+        return ChatJob(model, partial(renderer.render_reference, prepared), return_prompt, extras,
+                       partial(renderer.render_here, prepared))
 
     def _chat_finish(self, chat: ChatJob, prompt: str, fmt: str) -> dict:
         """A rendered chat's reply fields: its prompt encoded, charged to the reply budget."""
@@ -418,11 +423,16 @@ class Ops:
         answers it), else the job's result (its fields refused it before any render)."""
         try:
             chat = self._chat_start(request.payload, request.model)
+            prompt = chat.here()  # MiniJinja renders here, within its fuel (workers/chat/mini.py)
         except ProtocolError as e:
             reply, code = self._error(request.raw_id, e)
             return job.job_id, code, reply
         except Exception:  # noqa: BLE001 - a bug: served inline instead (a retry), where _serve() says so
             reply, outcome = self._serve(request, len(job.payload))
+            return job.job_id, outcome, reply
+        if prompt is not None:  # answered in this round; only jinja2 renders go to the lane
+            reply, outcome = self._serve(request, len(job.payload),
+                                         fields=partial(self._chat_finish, chat, prompt, request.tokens_format))
             return job.job_id, outcome, reply
 
         def finish(_: PendingJob, done: Done) -> tuple[bytes, str]:

@@ -23,6 +23,7 @@ first renders. docs/chat.md says which shipped templates each engine serves and 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from tokenbroker.common.errors import ProtocolError
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 _CHOSEN: dict[tuple[str, tuple, int, bool], Choice] = {}
 
 __all__ = [
-    "ChatRenderer", "ChatTemplates", "discover_chat_templates", "special_tokens_from_config",
+    "ChatRenderer", "PreparedChat", "ChatTemplates", "discover_chat_templates", "special_tokens_from_config",
     "DEFAULT_MAX_OUTPUT_BYTES", "DEFAULT_MAX_SECONDS", "DEFAULT_MAX_MEMORY_BYTES",
 ]
 
@@ -262,6 +263,20 @@ def _cut_after_final_message(prompt: str, final: str) -> str:
 # --- rendering --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat checked and copied for its template (ChatRenderer.prepare)."""
+
+    request: dict[str, Any]  # what prepare was given: the reference renders from a fresh copy of it
+    source: str  # the template's text
+    variables: dict
+    final: str | None  # the final message's text, when it is continued
+    fuel: int | None  # MiniJinja's fuel; None: jinja2 renders this input
+
+
+_JINJA2_CHOICE = Choice(JINJA2, "")
+
+
 class ChatRenderer:
     """Renders one model's chat templates: with MiniJinja in this process where chat/probes.py proves it
     exact (chat/mini.py), else with jinja2 in the worker's render child (chat/process.py), which
@@ -345,25 +360,51 @@ class ChatRenderer:
         `documents`. Raises ProtocolError: bad_request for malformed input (naming the field),
         template_error when there is no template, it fails to compile, raises, or exceeds its bounds.
         """
-        source, variables, final, fuel = self.variables(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, extra=extra)
-        prompt: str | None = None
-        choice = self._choices.get(source)
-        if choice is not None and choice.engine == MINIJINJA and fuel is not None:
-            try:
-                prompt = self._mini.render(choice.number, variables, fuel=fuel, max_bytes=self._max_bytes)
-            except TemplateRaised as e:
-                raise ProtocolError("template_error", e.message) from None
-            if prompt is None:  # fuel spent, or an error: the reference renders it (and says why)
-                self.fallbacks += 1
-                _, variables, _, _ = self.variables(
-                    messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message, extra=extra)
+        chat = self.prepare(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                            continue_final_message=continue_final_message, extra=extra)
+        prompt = self.render_here(chat)
+        return self.render_reference(chat) if prompt is None else prompt
+
+    def prepare(
+        self,
+        messages: list,
+        *,
+        tools: list | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        extra: dict | None = None,
+    ) -> PreparedChat:
+        """A chat checked and ready to render (render_here, then render_reference if that gives None).
+        Raises ProtocolError (bad_request) as `render` says."""
+        request: dict[str, Any] = {"messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": continue_final_message, "extra": extra}
+        source, variables, final, fuel = self.variables(**request)
+        return PreparedChat(request, source, variables, final, fuel)
+
+    def render_here(self, chat: PreparedChat) -> str | None:
+        """The prompt, rendered by MiniJinja in this process, or None: jinja2 must render it
+        (render_reference; a template MiniJinja does not serve, fuel spent, an error). Never waits on
+        the render child; its time is bounded by fuel. ProtocolError for the template's raise_exception."""
+        choice = self._choices.get(chat.source)
+        if choice is None or choice.engine != MINIJINJA or chat.fuel is None:
+            return None
+        try:
+            prompt = self._mini.render(choice.number, chat.variables, fuel=chat.fuel, max_bytes=self._max_bytes)
+        except TemplateRaised as e:
+            raise ProtocolError("template_error", e.message) from None
         if prompt is None:
-            prompt = self.sandbox.render(source, self.templates.source, variables,
-                                         max_seconds=self._max_seconds, max_bytes=self._max_bytes)
-        return prompt if final is None else _cut_after_final_message(prompt, final)
+            self.fallbacks += 1
+            return None
+        return prompt if chat.final is None else _cut_after_final_message(prompt, chat.final)
+
+    def render_reference(self, chat: PreparedChat) -> str:
+        """The prompt, rendered by jinja2 in the render child (which it may wait on for max_seconds)."""
+        variables = chat.variables
+        if self._choices.get(chat.source, _JINJA2_CHOICE).engine == MINIJINJA:
+            _, variables, _, _ = self.variables(**chat.request)  # a fresh copy: MiniJinja has read this one
+        prompt = self.sandbox.render(chat.source, self.templates.source, variables,
+                                     max_seconds=self._max_seconds, max_bytes=self._max_bytes)
+        return prompt if chat.final is None else _cut_after_final_message(prompt, chat.final)
 
     @property
     def engine(self) -> str:

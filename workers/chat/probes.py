@@ -40,7 +40,12 @@ JINJA2 = "jinja2"
 # error: jinja2 renders the chat again.
 FUEL_BASE = 100_000
 FUEL_PER_CHAR = 1
-PROBE_SECONDS = 2.0  # jinja2's time budget for each probe render
+# MiniJinja holds the GIL while it renders, so the worker's other jobs wait behind it: a chat with
+# more input than this renders with jinja2 in the render child (as every chat did before), and no
+# MiniJinja render gets more than FUEL_BASE + MAX_INPUT_CHARS of fuel (milliseconds; docs/chat.md).
+MAX_INPUT_CHARS = 256 * 1024
+PROBE_SECONDS = 0.5  # jinja2's time budget for each probe render
+PROBES_CPU_SECONDS = 2.0  # all the probes of one template: past this, jinja2 renders it (the shipped take 5-30 ms)
 
 
 # Characters Python's str.isspace() counts and Rust's char::is_whitespace() does not (the only
@@ -54,10 +59,10 @@ def has_py_only_space(text: str) -> bool:
     return "\x1c" in text or "\x1d" in text or "\x1e" in text or "\x1f" in text
 
 
-def fuel_for(chars: int) -> int:
+def fuel_for(chars: int) -> int | None:
     """The fuel a render gets for an input of `chars` characters (as ChatRenderer.variables counts
-    them): the allowance plus one unit per character."""
-    return FUEL_BASE + FUEL_PER_CHAR * chars
+    them): the allowance plus one unit per character; None past MAX_INPUT_CHARS (jinja2 renders it)."""
+    return None if chars > MAX_INPUT_CHARS else FUEL_BASE + FUEL_PER_CHAR * chars
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,8 @@ def choose(source: str, renderer: ChatRenderer, engine: MiniEngine, max_bytes: i
         if mini != reference:
             what = "renders it" if reference[0] == "ok" else f"answers {reference[0]}"
             return Choice(JINJA2, f"the probe '{name}' differs: jinja2 {what}, MiniJinja gives {mini[0]}")
+        if time.process_time() - started > PROBES_CPU_SECONDS:
+            return Choice(JINJA2, f"its probes took over {PROBES_CPU_SECONDS:g} s of CPU")
     log.debug("chat template probed in %.1f ms of CPU", (time.process_time() - started) * 1000)
     return Choice(MINIJINJA, "", number)
 

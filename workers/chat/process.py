@@ -1,5 +1,8 @@
 """Chat templates render in a child process: a hard bound on memory (RLIMIT_AS) and wall time (a kill timer).
 
+This is jinja2's side (chat/__init__.py): templates MiniJinja serves render in the worker's own
+process, bounded by fuel (chat/mini.py), and a worker starts this child only when jinja2 first renders.
+
 Templates are hostile code (clients may send them with `add_model`; messages and chat_template_kwargs
 are client data). The sandbox in chat/sandbox.py checks every value a template builds, but a single
 C-level call (sorting 16 million strings, one huge `str.join`) cannot be interrupted from inside the
