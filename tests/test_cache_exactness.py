@@ -115,8 +115,9 @@ SP_NAMED = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_
 @cache
 def tokenizer(name: str) -> Any:
     """The shipped tokenizers as a worker serves them, with the engine it chooses (fastokens for
-    DeepSeek, tiktoken for cl100k (a whitespace-edge probe fails), the reference for BERT, which fastokens refuses); the SentencePiece-style
-    ones built here in the worker's shape, on the reference (fastokens has no Unigram)."""
+    DeepSeek and cl100k, whose texts holding U+180E go to tiktoken, the reference for BERT, which
+    fastokens refuses); the SentencePiece-style ones built here in the worker's shape, on the
+    reference (fastokens has no Unigram)."""
     if name == "deepseek":
         return served_tokenizer(EMBEDDED_DEFAULT)
     if name == "bert":

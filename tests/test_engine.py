@@ -24,7 +24,7 @@ from helpers import (BERT_DIR, LSTRIP_DIR, QWEN_TIKTOKEN, SP_LEGACY_DIR, deepsee
                      series, served_tokenizer, serving, wait_until)
 from tokenbroker.common.config import EMBEDDED_DEFAULT, CacheConfig
 from tokenbroker.workers.cache import TokenCache
-from tokenbroker.workers.engine import build_fast, probe, speed_up
+from tokenbroker.workers.engine import build_fast, edge_guard, probe, speed_up
 from tokenbroker.workers.tokenizers import InvalidTokenId, ids_to_u32, load_tokenizer
 
 # source -> the engine auto must choose for it
@@ -32,7 +32,7 @@ SHIPPED = {
     EMBEDDED_DEFAULT: "fastokens",
     str(QWEN_TIKTOKEN): "fastokens",
     "o200k_base": "fastokens",
-    "cl100k_base": "tiktoken",  # fastokens splits '  \u180e' otherwise (its possessive pattern's regex path): a whitespace-edge probe fails
+    "cl100k_base": "fastokens",  # with a guard: texts holding U+180E go to tiktoken (a whitespace-edge probe fails unguarded)
     "r50k_base": "fastokens",
     "p50k_base": "tiktoken",  # fastokens refuses it: its ranks skip an id
     str(BERT_DIR): "tokenizers",  # fastokens refuses BertNormalizer
@@ -66,7 +66,8 @@ def added_tokens(source: str) -> list[str]:
     return sorted(names)[:64] or ["<none>"]
 
 
-WORDS = ["hello", " world", "  ", "\n", "\t", "\r\n", "naïve", "日本語", "42", "don't", "🙂", "▁", "x", "ITEM", "<", "|>"]
+WORDS = ["hello", " world", "  ", "\n", "\t", "\r\n", "naïve", "日本語", "42", "don't", "🙂", "▁", "x", "ITEM", "<", "|>",
+         "\u180e", "\u3000", "\x85"]
 
 
 def conversations(source: str) -> st.SearchStrategy[list[str]]:
@@ -146,18 +147,28 @@ def fallback_pattern_tokenizer(folder: Path) -> str:
     return str(path)
 
 
-def test_a_whitespace_edge_divergence_on_the_regex_fallback_keeps_the_reference(tmp_path: Path) -> None:
-    source = fallback_pattern_tokenizer(tmp_path)
-    tok = load_tokenizer(source)
+@pytest.mark.parametrize("source", ["fallback", "cl100k_base"])
+def test_a_whitespace_edge_divergence_is_caught_and_its_texts_go_to_the_reference(source: str, tmp_path: Path) -> None:
+    """The pattern fastokens does not know (and cl100k_base's, which takes the same regex path) parts
+    from the reference at U+180E: the probes catch it, and the fast engine serves only with that
+    code point guarded (its texts encoded by the reference), once the whole battery passes so."""
+    tok = load_tokenizer(fallback_pattern_tokenizer(tmp_path) if source == "fallback" else source)
     fast = build_fast(tok)
     assert fast.encode(WHITESPACE_EDGE) != tok.encode(WHITESPACE_EDGE), "fastokens no longer parts here: pick another edge"
     assert fast.encode("hello  world") == tok.encode("hello  world")  # only the edge differs
     failed = probe(tok, fast)
     assert failed is not None and failed.startswith("encode whitespace edge "), failed
-    assert speed_up(tok, "auto") == (None, f"probe failed: {failed}")
-    # the shipped cl100k_base parts from tiktoken the same way (through its own pattern), and is kept on tiktoken
-    cl100k = load_tokenizer("cl100k_base")
-    assert build_fast(cl100k).encode(WHITESPACE_EDGE) != cl100k.encode(WHITESPACE_EDGE)
+    assert edge_guard(tok, fast) == ("\u180e",)
+    engine, why = speed_up(tok, "auto")
+    assert engine is not None and why is None and engine.guard == ("\u180e",)
+    assert probe(tok, engine) is None
+    texts = [WHITESPACE_EDGE, "hello  world", f"x {WHITESPACE_EDGE * 3} y 東京", "plain"]
+    want = tok.encode_many(texts)  # tok is still on its reference
+    tok.fast = engine
+    assert tok.encode_many(texts) == want and [tok.encode(t) for t in texts] == want
+    assert tok.encode_u32(texts) == [ids_to_u32(w) for w in want]  # the flat buffer, spliced
+    view, ends = tok.encode_flat(texts)
+    assert [bytes(view[4 * ends[i]:4 * ends[i + 1]]) for i in range(len(texts))] == [ids_to_u32(w) for w in want]
 
 
 def test_a_model_fastokens_refuses_says_why() -> None:
@@ -218,18 +229,21 @@ def test_the_reference_backend_flag_keeps_every_model_on_its_library() -> None:
 
 def test_forked_workers_start_on_the_fast_engine_the_template_built(tmp_path: Path) -> None:
     """Fork (the default): the template builds and probes fastokens before it forks, so every worker
-    serves with it from its first request (and shares its pages); the ids are the reference's. A
-    model whose pattern takes fastokens' regex fallback, which parts at a whitespace edge, stays on
-    tokenizers."""
+    serves with it from its first request (and shares its pages); the ids are the reference's. Models
+    whose pattern takes fastokens' regex path, which parts from the reference at U+180E, are served by
+    fastokens with texts holding U+180E left to their reference."""
     fallback = fallback_pattern_tokenizer(tmp_path)
     with serving("--tokenizer-backend", "auto", "--model-path", EMBEDDED_DEFAULT, "--model", f"fallback={fallback}",
-                 workers=2) as (broker, conn):
-        assert _backends(conn) == {"deepseek": "fastokens", "fallback": "tokenizers"}  # a whitespace-edge probe failed
-        assert broker.logged("fastokens differs from tokenizers on probe: encode whitespace edge")
-        for model in ("deepseek", "fallback"):
-            for _ in range(2):  # both workers
-                got = conn.call("tokenize", model=model, text=WHITESPACE_EDGE)["tokens"]
-                assert got == reference(EMBEDDED_DEFAULT).encode(WHITESPACE_EDGE)
+                 "--model", "cl100k=cl100k_base", workers=2) as (broker, conn):
+        assert _backends(conn) == {"deepseek": "fastokens", "fallback": "fastokens", "cl100k": "fastokens"}
+        assert broker.logged("fastokens passed its probes (texts holding U+180E go to tiktoken)")  # cl100k
+        assert broker.logged("fastokens passed its probes (texts holding U+180E go to tokenizers)")  # fallback
+        texts = [WHITESPACE_EDGE, "hello  world", f"{WHITESPACE_EDGE}\n東京"]
+        for model, source in (("deepseek", EMBEDDED_DEFAULT), ("fallback", EMBEDDED_DEFAULT), ("cl100k", "cl100k_base")):
+            want = [reference(source).encode(t) for t in texts]
+            for _ in range(2):  # both workers, one text at a time and in a batch
+                assert [conn.call("tokenize", model=model, text=t)["tokens"] for t in texts] == want
+                assert conn.call("tokenize", model=model, text=texts)["tokens"] == want
         assert not broker.logged("now served by fastokens")  # nothing switched after the fork
         text = "<｜User｜>hello  world<｜Assistant｜> Bonjour 🙂"
         for _ in range(4):  # both workers

@@ -22,8 +22,8 @@ A worker whose private memory passes its ceiling (--max-memory) leaves on purpos
 the round it was in is answered, BYE goes out, what the broker sent before it read the BYE is
 served, and the process exits with EXIT_RECYCLED; the supervisor forks a fresh one from the template
 at once. Nothing is lost (the broker sends a draining worker nothing new and waits for what it
-holds) and nothing runs twice. RSS is read with every heartbeat anyway; private memory, a page-table
-walk, only once RSS is past the ceiling (private memory is never more than RSS).
+holds) and nothing runs twice. Private memory comes from the same read of smaps_rollup as the PSS
+that heartbeats carry (PSS_EVERY_S): the ceiling adds no read.
 
 Models load in the background when the broker says B_LOAD (loader.py); the poll watches the
 loader's pipe too, so a finished load is installed and said (W_LOADED) between two rounds. READY
@@ -152,8 +152,7 @@ class Worker:
         self.backends: dict[str, str] = registry.backends()  # model -> engine, as the switch to fastokens comes later
         self.next_beat = 0.0
         self.pss: int | None = None  # proportional set size as last read (PSS_EVERY_S)
-        self.private: int | None = None  # private memory as last read (when RSS is past the ceiling, or with PSS)
-        self.rss = 0  # resident memory as of the last heartbeat
+        self.private: int | None = None  # private memory as last read, with PSS: what --max-memory bounds
         self.recycled = False  # left because its memory passed --max-memory
         self.pss_at = 0.0
         self.round_until: float | None = None  # while a round computes: when it is overdue
@@ -187,11 +186,10 @@ class Worker:
         if now >= self.pss_at:
             self.pss, self.private = memory_figures() or (None, None)
             self.pss_at = now + PSS_EVERY_S
-        self.rss = resident_bytes()
         body = {
             "incarnation": self.incarnation,
             "pid": os.getpid(),
-            "rss": self.rss,
+            "rss": resident_bytes(),
             "pss": self.pss,  # None where /proc/self/smaps_rollup is not there
             "private": self.private,  # pages no other process maps: what --max-memory bounds
             "served": self.served,
@@ -280,14 +278,10 @@ class Worker:
             self.sock = None
 
     def _past_ceiling(self) -> bool:
-        """Whether private memory has passed --max-memory (read only when RSS, just read, has: a
-        page-table walk per heartbeat at most); says so once, and marks the exit as a recycle."""
+        """Whether private memory, as the heartbeat last read it with PSS, has passed --max-memory;
+        says so once, and marks the exit as a recycle."""
         ceiling = self.config.max_memory
-        if not ceiling or self.recycled or self.leaving.is_set() or self.rss < ceiling:
-            return False
-        self.pss, self.private = memory_figures() or (None, None)
-        self.pss_at = time.monotonic() + PSS_EVERY_S
-        if self.private is None or self.private < ceiling:
+        if not ceiling or self.recycled or self.leaving.is_set() or self.private is None or self.private < ceiling:
             return False
         log.warning("private memory %d MiB is past the ceiling of %d MiB (--max-memory) after %d jobs: leaving, "
                     "a fresh worker takes this one's place", self.private >> 20, ceiling >> 20, self.served)
