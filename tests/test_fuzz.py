@@ -16,7 +16,7 @@ import pytest
 
 FUZZ = Path(__file__).parent / "fuzz"
 TARGETS = sorted(FUZZ.glob("fuzz_*.py"))
-RUNS = 3000  # a few seconds per target on a loaded 2-core machine; libFuzzer's -seed fixes the inputs
+RUNS = 2000  # a few seconds per target (10-20 s on a 2-core machine at load 10); libFuzzer's -seed fixes the inputs
 
 
 def load(target: Path) -> ModuleType:
