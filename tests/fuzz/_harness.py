@@ -1,7 +1,7 @@
 """What every fuzz target in this folder shares: how atheris runs it, and the byte source its
 structure-aware generators read their choices from.
 
-A target is one file, `fuzz_<name>.py`, with three things:
+A target is one file, `fuzz_<name>.py` (tests/test_fuzz.py finds it by that name), with three things:
 
 - `fuzz_one(data: bytes) -> None`: runs one input through the compiled code and checks it against
   the reference (msgpack, the reply contract, ...); it raises (AssertionError) on a disagreement.
@@ -9,6 +9,9 @@ A target is one file, `fuzz_<name>.py`, with three things:
 - `seeds() -> list[bytes]`: the starting corpus, written in code (the repository keeps no binary
   corpus; libFuzzer writes what it finds to a temporary folder, never into the tree).
 - `if __name__ == "__main__": run(fuzz_one, seeds)`.
+
+Targets that read requests build their inputs with _msgpack_values (any value, request-shaped maps,
+arrays of them, deep nesting, lying headers) and judge them against its `reference` (msgpack).
 
 Run one by hand for minutes:  .venv/bin/python tests/fuzz/fuzz_wire.py -max_total_time=300
 (any libFuzzer flag works: -runs=N, -seed=S, -jobs; a folder given last is the corpus to grow).
@@ -39,6 +42,7 @@ class Choices:
     def __init__(self, data: bytes) -> None:
         self.data = data
         self.at = 0
+        self.lies = False  # whether builders may write headers that claim more than follows
 
     def byte(self) -> int:
         if self.at >= len(self.data):
@@ -62,13 +66,19 @@ class Choices:
         return len(self.data) - self.at
 
 
-def _instrument(atheris: Any, module: ModuleType) -> None:
-    """Coverage hooks in the target's own functions only. Not atheris.instrument_all (a minute at
-    start, every loaded module), nor Choices' readers: called per decision, their hooks cost 4x
-    the executions per second and cover nothing worth reaching."""
-    for obj in vars(module).values():
-        if inspect.isfunction(obj) and obj.__module__ == module.__name__:
-            atheris.instrument_func(obj)
+def _instrument(atheris: Any, target: ModuleType) -> None:
+    """Coverage hooks in the target's functions and in the builders it imports from this folder
+    (_msgpack_values), only. Not atheris.instrument_all (a minute at start, every loaded module),
+    nor Choices' readers: called per decision, their hooks cost 4x the executions per second and
+    cover nothing worth reaching."""
+    here = Path(__file__).resolve().parent
+    for module in list(sys.modules.values()):
+        source = getattr(module, "__file__", None)
+        if module is not target and (not source or Path(source).resolve().parent != here or module.__name__ == __name__):
+            continue
+        for obj in vars(module).values():
+            if inspect.isfunction(obj) and obj.__module__ == module.__name__:
+                atheris.instrument_func(obj)
 
 
 def run(fuzz_one: Callable[[bytes], None], seeds: Callable[[], list[bytes]]) -> None:
