@@ -39,6 +39,7 @@ cdef extern from "Python.h":
     int PyUnicode_KIND(object o)
     void* PyUnicode_DATA(object o)
     Py_ssize_t PyUnicode_GET_LENGTH(object o)
+    bint PyUnicode_IS_ASCII(object o)
     object PyUnicode_Substring(object s, Py_ssize_t start, Py_ssize_t end)
 
 cdef bint LITTLE = sys.byteorder == "little"
@@ -77,27 +78,6 @@ cdef inline uint64_t avalanche(uint64_t h) noexcept nogil:
 
 cdef inline uint64_t seed_of(int kind, bint flag) noexcept nogil:
     return avalanche(SECRET ^ (<uint64_t>kind * KC) ^ (KD if flag else 0))
-
-
-cdef inline int64_t wide_units(uint64_t w, int kind) noexcept nogil:
-    """UTF-8 bytes beyond one per code point in one 8-byte word of a str buffer of `kind`."""
-    cdef uint64_t t, y
-    if kind == 1:  # a byte from 0x80 on: its top bit, summed across the word by one multiply
-        return (((w & 0x8080808080808080ULL) >> 7) * 0x0101010101010101ULL) >> 56
-    if kind == 2:  # a 16-bit unit from 0x80 on, and from 0x800 on: each lane's nonzero bit, summed
-        t = w & 0xFF80FF80FF80FF80ULL
-        y = (((t & 0x7FFF7FFF7FFF7FFFULL) + 0x7FFF7FFF7FFF7FFFULL) | t) & 0x8000800080008000ULL
-        t = w & 0xF800F800F800F800ULL
-        y = (y >> 15) + (((((t & 0x7FFF7FFF7FFF7FFFULL) + 0x7FFF7FFF7FFF7FFFULL) | t) & 0x8000800080008000ULL) >> 15)
-        return (y * 0x0001000100010001ULL) >> 48
-    cdef uint32_t lo = <uint32_t>w, hi = <uint32_t>(w >> 32)
-    return (lo >= 0x80) + (lo >= 0x800) + (lo >= 0x10000) + (hi >= 0x80) + (hi >= 0x800) + (hi >= 0x10000)
-
-
-cdef inline int64_t wide_tail(const uint8_t* p, Py_ssize_t nbytes, int kind) noexcept nogil:
-    cdef uint64_t w = 0
-    memcpy(&w, p, nbytes)  # the unused high bytes are zero: they add nothing
-    return wide_units(w, kind)
 
 
 cdef extern from *:
@@ -146,16 +126,67 @@ cdef void _stream_keys(const uint8_t* data, int kind, uint64_t seed, const Py_ss
         keys[i] = avalanche(h ^ tail)
 
 
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <stddef.h>
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    #endif
+    /* UTF-8 bytes beyond one per code point of n units of a str buffer of `kind` (1, 2 or 4). */
+    static int64_t tb_utf8_extra(const void* data, int kind, Py_ssize_t n) {
+        int64_t extra = 0;
+        Py_ssize_t i = 0;
+        if (kind == 1) {
+            const uint8_t* u = (const uint8_t*)data;
+    #if defined(__SSE2__)
+            while (i + 16 <= n) {  /* a byte from 0x80 on has its top bit set: movemask counts them */
+                Py_ssize_t stop = i + 16 * 255 < n ? i + 16 * 255 : n;
+                for (; i + 16 <= stop; i += 16)
+                    extra += __builtin_popcount(_mm_movemask_epi8(_mm_loadu_si128((const __m128i*)(u + i))));
+            }
+    #endif
+            for (; i < n; i++) extra += u[i] >= 0x80;
+        } else if (kind == 2) {
+            const uint16_t* u = (const uint16_t*)data;
+    #if defined(__SSE2__)
+            const __m128i zero = _mm_setzero_si128(), m80 = _mm_set1_epi16((short)0xFF80), m800 = _mm_set1_epi16((short)0xF800);
+            while (i + 8 <= n) {  /* per 8 units: lanes below 0x80, below 0x800 (16-bit sums, flushed in time) */
+                Py_ssize_t stop = i + 8 * 4096 < n ? i + 8 * 4096 : n;
+                __m128i lt80 = zero, lt800 = zero;
+                Py_ssize_t start = i;
+                for (; i + 8 <= stop; i += 8) {
+                    __m128i v = _mm_loadu_si128((const __m128i*)(u + i));
+                    lt80 = _mm_sub_epi16(lt80, _mm_cmpeq_epi16(_mm_and_si128(v, m80), zero));
+                    lt800 = _mm_sub_epi16(lt800, _mm_cmpeq_epi16(_mm_and_si128(v, m800), zero));
+                }
+                uint16_t a[8], b[8];
+                _mm_storeu_si128((__m128i*)a, lt80);
+                _mm_storeu_si128((__m128i*)b, lt800);
+                int64_t units = i - start, below80 = 0, below800 = 0;
+                for (int k = 0; k < 8; k++) { below80 += a[k]; below800 += b[k]; }
+                extra += 2 * units - below80 - below800;
+            }
+    #endif
+            for (; i < n; i++) extra += (u[i] >= 0x80) + (u[i] >= 0x800);
+        } else {
+            const uint32_t* u = (const uint32_t*)data;
+            for (; i < n; i++) extra += (u[i] >= 0x80) + (u[i] >= 0x800) + (u[i] >= 0x10000);
+        }
+        return extra;
+    }
+    """
+    int64_t tb_utf8_extra(const void* data, int kind, Py_ssize_t n) noexcept nogil
+
+
 cdef void _utf8_lengths(const uint8_t* data, int kind, const Py_ssize_t* ends, Py_ssize_t m, int64_t* out) noexcept nogil:
-    """The UTF-8 length of each prefix data[:ends[i] code points] (ends ascending), word by word."""
-    cdef Py_ssize_t pos = 0, i, P
-    cdef int64_t wide = 0
+    """The UTF-8 length of each prefix data[:ends[i] code points] (ends ascending)."""
+    cdef Py_ssize_t i, prev = 0
+    cdef int64_t total = 0
     for i in range(m):
-        P = ends[i] * kind
-        while pos + 8 <= P:
-            wide += wide_units(load64(data + pos), kind)
-            pos += 8
-        out[i] = ends[i] + wide + (wide_tail(data + pos, P - pos, kind) if P > pos else 0)
+        total += ends[i] - prev + tb_utf8_extra(data + prev * kind, kind, ends[i] - prev)
+        out[i] = total
+        prev = ends[i]
 
 
 def hash_text(str text, bint flag=False) -> int:
@@ -569,9 +600,13 @@ cdef class L0Store:
         """The packed ids of `text`, made most recent (a hit), or None (a miss); both counted."""
         cdef uint64_t key = self.key_of(text, flag)
         cdef L0Entry e = self.lru.map.get(key)
+        cdef Py_ssize_t n
         if e is not None and e.flag == flag and (e.text is text or e.text == text):
             self.lru.touch(e)
             self.hits += 1
+            if e.utf8 < 0:  # counted at the first hit, not at every put: most entries are never hit
+                n = PyUnicode_GET_LENGTH(text)
+                _utf8_lengths(<const uint8_t*>PyUnicode_DATA(text), PyUnicode_KIND(text), &n, 1, &e.utf8)
             self.reused_bytes += e.utf8
             return e.packed
         self.misses += 1
@@ -593,7 +628,7 @@ cdef class L0Store:
         charge = getsizeof(text) + len(packed) + self.overhead
         if charge > self.max_bytes // 4:
             return
-        _utf8_lengths(<const uint8_t*>PyUnicode_DATA(text), PyUnicode_KIND(text), &n, 1, &utf8)
+        utf8 = n if PyUnicode_KIND(text) == 1 and PyUnicode_IS_ASCII(text) else -1
         old = self.lru.map.get(key)
         if old is not None:  # the same text (encoded twice in one batch), or a hash collision: replaced
             self.lru.unlink(old)
