@@ -104,21 +104,23 @@ class TokenCache:
     def encode_u32(self, text: str, add_special_tokens: bool = True) -> tuple[bytes, CacheOutcome]:
         """`encode`'s ids as little-endian uint32 bytes, packed end to end: engine buffer, caches and
         reply never hold an int per id."""
-        l0 = self._l0
-        if l0 is not None:
-            packed = l0.get(text, add_special_tokens)
-            if packed is not None:
-                return packed, HIT
-        l1 = self._l1
-        if l1 is not None:
-            packed = l1.encode(text, add_special_tokens)
+        l0, l1 = self._l0, self._l1
+        if l1 is not None:  # L0 too, if on: looked up first, keyed in L1's one pass over the input
+            packed = l1.encode(text, add_special_tokens, True, l0)
             reused = l1.last_reused
-        else:
-            packed, reused = self._whole(text, add_special_tokens), 0
-        if l0 is not None:
-            l0.put(text, add_special_tokens, packed)
+            if l0 is None:
+                return packed, (CacheOutcome("off", reused) if reused else OFF)
+            if l1.last_l0 == 1:
+                return packed, HIT
             return packed, (CacheOutcome("miss", reused) if reused else MISS)
-        return packed, (CacheOutcome("off", reused) if reused else OFF)
+        if l0 is None:
+            return self._whole(text, add_special_tokens), OFF
+        packed = l0.get(text, add_special_tokens)
+        if packed is not None:
+            return packed, HIT
+        packed = self._whole(text, add_special_tokens)
+        l0.put(text, add_special_tokens, packed)
+        return packed, MISS
 
     @property
     def l1_active(self) -> bool:

@@ -598,7 +598,10 @@ cdef class L0Store:
 
     cpdef bytes get(self, str text, bint flag):
         """The packed ids of `text`, made most recent (a hit), or None (a miss); both counted."""
-        cdef uint64_t key = self.key_of(text, flag)
+        return self.get_keyed(text, flag, self.key_of(text, flag))
+
+    cdef bytes get_keyed(self, str text, bint flag, uint64_t key):
+        """`get` with the key computed already (L1's pass keys the whole input with its prefixes)."""
         cdef L0Entry e = self.lru.map.get(key)
         cdef Py_ssize_t n
         if e is not None and e.flag == flag and (e.text is text or e.text == text):
@@ -615,16 +618,19 @@ cdef class L0Store:
 
     cpdef void put(self, str text, bint flag, bytes packed):
         """Keep `packed` (held, not copied) for `text`, evicting the least recently used to stay in bounds."""
-        cdef int64_t utf8 = 0, charge
         cdef uint64_t key
-        cdef L0Entry e, old
-        cdef Node gone
-        cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
         if self._last_text is text and self._last_flag == flag:
             key = self._last_key
         else:
             key = self.key_of(text, flag)
         self._last_text = None
+        self.put_keyed(text, flag, packed, key)
+
+    cdef void put_keyed(self, str text, bint flag, bytes packed, uint64_t key):
+        cdef int64_t utf8 = 0, charge
+        cdef L0Entry e, old
+        cdef Node gone
+        cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
         charge = getsizeof(text) + len(packed) + self.overhead
         if charge > self.max_bytes // 4:
             return
@@ -726,6 +732,7 @@ cdef class L1Store:
     cdef public int deepest
     cdef public int64_t hits, misses, reused_bytes, fallbacks, skipped
     cdef public Py_ssize_t last_reused  # ids the last encode took from L1
+    cdef public int last_l0  # the last encode's L0 lookup: 0 none, 1 a hit, 2 a miss
 
     def __init__(self, Matcher matcher, encode_flat, encode_whole, bytes head, bytes tail, int64_t budget,
                  int64_t share, int64_t overhead, Py_ssize_t min_prefix, int deepest):
@@ -739,6 +746,7 @@ cdef class L1Store:
         self.deepest = deepest
         self.hits = self.misses = self.reused_bytes = self.fallbacks = self.skipped = 0
         self.last_reused = 0
+        self.last_l0 = 0
 
     def stats(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "evictions": self.lru.evictions,
@@ -795,28 +803,56 @@ cdef class L1Store:
             end = b.base_ids
             b = b.parent
 
-    cpdef bytes encode(self, str text, bint flag, bint store=True):
+    cpdef bytes encode(self, str text, bint flag, bint store=True, L0Store l0=None):
         """The packed ids of `text` (add_special_tokens=`flag`), its cached prefix reused and its
-        deepest prefixes kept; `last_reused` says how many ids came from L1."""
+        deepest prefixes kept; `last_reused` says how many ids came from L1. With `l0`, L0 is
+        looked up first (`last_l0`: 1 a hit, 2 a miss), keyed in the same pass as the prefixes, and
+        a miss's ids are kept there."""
         cdef int kind = PyUnicode_KIND(text)
         cdef const uint8_t* data = <const uint8_t*>PyUnicode_DATA(text)
         cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
         cdef Found f
         cdef uint64_t* keys = NULL
+        cdef bint serve
+        cdef bytes packed
         f.start = f.end = NULL
         f.tok = NULL
         f.n = f.cap = 0
+        self.last_l0 = 0
         try:
             self.matcher.find(data, kind, n, &f)
-            if f.n == 0 or f.end[f.n - 1] < self.min_prefix:
+            serve = f.n > 0 and f.end[f.n - 1] >= self.min_prefix
+            if l0 is not None:
+                if serve:
+                    found_add(&f, n, n, -1)  # the whole input, keyed last in the same pass
+                keys = <uint64_t*>malloc(f.n * sizeof(uint64_t) if serve else sizeof(uint64_t))
+                if keys == NULL:
+                    raise MemoryError()
+                if serve:
+                    _stream_keys(data, kind, seed_of(kind, flag), f.end, f.n, keys)
+                    f.n -= 1
+                else:
+                    _stream_keys(data, kind, seed_of(kind, flag), &n, 1, keys)
+                packed = l0.get_keyed(text, flag, keys[f.n] if serve else keys[0])
+                if packed is not None:
+                    self.last_l0 = 1
+                    self.last_reused = 0
+                    return packed
+                self.last_l0 = 2
+            if not serve:
                 if f.n:
                     self.skipped += 1
-                return self._whole(text, flag)
-            keys = <uint64_t*>malloc(f.n * sizeof(uint64_t))
-            if keys == NULL:
-                raise MemoryError()
-            _stream_keys(data, kind, seed_of(kind, flag), f.end, f.n, keys)
-            return self._serve(text, flag, store, kind, data, n, &f, keys)
+                packed = self._whole(text, flag)
+            else:
+                if keys == NULL:
+                    keys = <uint64_t*>malloc(f.n * sizeof(uint64_t))
+                    if keys == NULL:
+                        raise MemoryError()
+                    _stream_keys(data, kind, seed_of(kind, flag), f.end, f.n, keys)
+                packed = self._serve(text, flag, store, kind, data, n, &f, keys)
+            if l0 is not None:
+                l0.put_keyed(text, flag, packed, keys[f.n] if serve else keys[0])
+            return packed
         finally:
             found_free(&f)
             free(keys)
