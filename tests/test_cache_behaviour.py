@@ -281,10 +281,12 @@ def test_l1_entry_is_charged_its_prefix_bytes_its_ids_and_a_fixed_overhead() -> 
     n_ids = len(tok.raw.encode(prefix, allowed_special="all"))
     # held as CPython holds the str: one byte per character here (latin-1), 2 or 4 in wider strs
     assert s["entries"] == 1 and s["bytes"] == len(prefix) + 4 * n_ids + ENTRY_OVERHEAD
-    c.encode(f"{prefix}日本{EOT}rest")  # a UCS-2 str: its block holds 2 bytes per character
+    # a UCS-2 str reusing the latin-1 prefix: its block (not chained across widths) holds its whole
+    # text to its new boundary at 2 bytes per character
+    assert c.encode(f"{prefix}日本{EOT}rest")[1].l1_reused_tokens == n_ids
     wide = f"{prefix}日本{EOT}"
     s2 = c.stats()["l1"]
-    assert s2["bytes"] - s["bytes"] == 2 * len(wide) + 4 * len(tok.raw.encode(wide, allowed_special="all")) + 2 * ENTRY_OVERHEAD
+    assert s2["bytes"] - s["bytes"] == 2 * len(wide) + 4 * len(tok.raw.encode(wide, allowed_special="all")) + ENTRY_OVERHEAD
 
 
 def test_l1_flood_of_tiny_distinct_prefixes_stays_in_budget() -> None:
@@ -336,3 +338,19 @@ def test_an_input_with_thousands_of_boundaries_costs_few_tokenizer_calls_and_a_b
     ids, outcome = c.encode(longer)
     assert ids == tok.raw.encode(longer, allowed_special="all")
     assert outcome.l1_reused_tokens > 0 and sum(map(len, tok.calls)) < 100  # only what follows the hit
+
+
+@pytest.mark.parametrize("wide", ["日本", "👍"])
+def test_a_turn_that_brings_a_wider_character_still_reuses_the_history(wide: str) -> None:
+    """Keys follow how CPython holds the str (1, 2 or 4 bytes a character): a turn whose new text
+    needs a wider str still finds the prefixes its narrower history stored, then stores its own."""
+    tok = TiktokenTok()
+    c = TokenCache(tok, CacheConfig(l1_enabled=True), l1_min_prefix=0)
+    text = conversation(5, 3)  # latin-1
+    c.encode(text)
+    for more in (f"a question with {wide}{EOT}", "and the next one" + EOT):
+        longer = text + more
+        ids, outcome = c.encode(longer)
+        assert ids == tok.raw.encode(longer, allowed_special="all")
+        assert outcome.l1_reused_tokens == len(tok.raw.encode(text, allowed_special="all"))
+        text = longer

@@ -879,6 +879,8 @@ cdef class L1Store:
                 hit, depth = entry, i
                 self.lru.touch(entry)
                 break
+        if hit is None and kind > 1:  # stored from a narrower str? (a conversation whose new turn brought a wider character)
+            hit, depth = self._narrow_hit(text, flag, kind, data, f)
         order = plan_cuts(nb, depth, self.deepest)
         cuts = sorted(order)
         cuts.append(nb)
@@ -956,6 +958,40 @@ cdef class L1Store:
             self.last_reused = 0
         return result
 
+    cdef tuple _narrow_hit(self, str text, bint flag, int kind, const uint8_t* data, Found* f):
+        """(entry, boundary) of the deepest prefix stored from a narrower str, or (None, -1). Keys
+        follow the str's width, so the prefix before the first character this str needs its width
+        for is keyed again as CPython would hold it alone (one copy, only on a miss)."""
+        cdef uint32_t limit = 0x100 if kind == 2 else 0x10000
+        cdef Py_ssize_t p = 0, j, i, stop = f.end[f.n - 1]
+        cdef uint64_t* keys
+        cdef L1Entry entry
+        while p < stop and unit(data, kind, p) < limit:
+            p += 1
+        j = f.n - 1
+        while j >= 0 and f.end[j] > p:
+            j -= 1
+        if j < 0:
+            return None, -1
+        narrow = PyUnicode_Substring(text, 0, f.end[j])
+        cdef int nk = PyUnicode_KIND(narrow)
+        cdef const uint8_t* nd = <const uint8_t*>PyUnicode_DATA(narrow)
+        if nk >= kind:
+            return None, -1
+        keys = <uint64_t*>malloc((j + 1) * sizeof(uint64_t))
+        if keys == NULL:
+            raise MemoryError()
+        try:
+            _stream_keys(nd, nk, seed_of(nk, flag), f.end, j + 1, keys)
+            for i in range(j, -1, -1):
+                entry = self.lru.map.get(keys[i])
+                if entry is not None and entry.flag == flag and entry.chars == f.end[i] and self._verify(entry, nd, nk):
+                    self.lru.touch(entry)
+                    return entry, i
+        finally:
+            free(keys)
+        return None, -1
+
     cdef bytes _fallback(self, str text, bint flag):
         self.fallbacks += 1
         return self._whole(text, flag)
@@ -973,7 +1009,7 @@ cdef class L1Store:
         cdef L1Entry e, old
         cdef Node gone
         cdef Block block, parent = None
-        if hit is not None:
+        if hit is not None and hit.block.kind == kind:  # a hit from a narrower str is copied whole, not chained
             parent, base_chars, base_ids, base_utf8 = hit.block, hit.chars, hit.nids, hit.utf8
         for k in range(len(cuts) - 1):
             mark_of[cuts[k]] = marks[k]

@@ -14,9 +14,10 @@ is compiled (workers/cache/_cache.pyx, `L1Store`); this module holds the policy:
   per boundary, at most 1/INPUT_SHARE of the budget per input. Exact LRU over boundaries; a block's
   bytes are freed with its last boundary.
 - `MIN_PREFIX`: an input whose deepest boundary ends before this many code points is encoded whole,
-  not looked up, nor stored (counted as a miss): with fastokens (~8 ns per byte) such a prefix saves
-  less than the lookup and the split encode cost (scripts/bench_cache, "L1 lookup cost";
-  docs/sizing.md, "What the caches buy").
+  not looked up, nor stored (counted as a miss): such a prefix saves less than L1's fixed cost (the
+  split encode call, the store: about 4-5 us with fastokens). Set no higher: a conversation whose
+  early turns are skipped stores nothing for its next turn to hit (scripts/bench_cache; multi-turn
+  traffic 1.16x at 0-512, 0.85x at 2,048; docs/sizing.md, "What the caches buy").
 
 An input with a boundary every few bytes costs its tokenization, one hash pass, and O(log boundaries)
 spans and kept boundaries, never a copy per boundary.
@@ -35,7 +36,7 @@ __all__ = ["DEEPEST", "INPUT_SHARE", "MIN_PREFIX", "L1Store", "new_l1", "plan_cu
 
 DEEPEST = 4
 INPUT_SHARE = 4
-MIN_PREFIX = 2048
+MIN_PREFIX = 512
 
 
 def encoders(tok: Tokenizer) -> tuple[Callable, Callable[[str, bool], bytes]]:
