@@ -115,9 +115,9 @@ class TokenCache:
             return packed, (CacheOutcome("miss", reused) if reused else MISS)
         if l0 is None:
             return self._whole(text, add_special_tokens), OFF
-        packed = l0.get(text, add_special_tokens)
-        if packed is not None:
-            return packed, HIT
+        kept = l0.get(text, add_special_tokens)
+        if kept is not None:
+            return kept, HIT
         packed = self._whole(text, add_special_tokens)
         l0.put(text, add_special_tokens, packed)
         return packed, MISS
