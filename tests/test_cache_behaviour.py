@@ -13,7 +13,6 @@ import tiktoken
 from helpers import deepseek_tokenizer
 from tokenbroker.common.config import CacheConfig
 from tokenbroker.workers.cache import CacheOutcome, TokenCache
-from tokenbroker.workers.cache.l1 import PrefixStore
 
 EOT = "<|endoftext|>"
 DS_EOS = "<｜end▁of▁sentence｜>"
@@ -60,7 +59,7 @@ def conversation(user: int, turns: int, *, size: int = 300, system: str = "You a
 
 def test_with_both_layers_off_encode_passes_through() -> None:
     tok = TiktokenTok()
-    c = TokenCache(tok, CacheConfig())
+    c = TokenCache(tok, CacheConfig(), l1_min_prefix=0)
     ids, outcome = c.encode(f"hi{EOT}there")
     assert ids == tok.raw.encode(f"hi{EOT}there", allowed_special="all")
     assert outcome == CacheOutcome("off", 0)
@@ -70,7 +69,7 @@ def test_with_both_layers_off_encode_passes_through() -> None:
 
 def test_l0_hit_returns_same_ids_counts_input_bytes_and_never_reaches_l1() -> None:
     tok = TiktokenTok()
-    c = TokenCache(tok, CacheConfig(l0_enabled=True, l1_enabled=True))
+    c = TokenCache(tok, CacheConfig(l0_enabled=True, l1_enabled=True), l1_min_prefix=0)
     text = f"héllo{EOT} wörld"
     first, o1 = c.encode(text)
     calls = len(tok.calls)
@@ -86,14 +85,14 @@ def test_l0_hit_returns_same_ids_counts_input_bytes_and_never_reaches_l1() -> No
 
 def test_l0_keys_on_the_add_special_tokens_flag() -> None:
     tok = deepseek()
-    c = TokenCache(tok, CacheConfig(l0_enabled=True))
+    c = TokenCache(tok, CacheConfig(l0_enabled=True), l1_min_prefix=0)
     assert c.encode("hi", True)[1].l0 == "miss"
     assert c.encode("hi", False)[1].l0 == "miss"
     assert c.encode("hi", True)[1].l0 == "hit"
 
 
 def test_input_without_special_tokens_is_an_l1_miss() -> None:
-    c = TokenCache(TiktokenTok(), CacheConfig(l1_enabled=True))
+    c = TokenCache(TiktokenTok(), CacheConfig(l1_enabled=True), l1_min_prefix=0)
     ids, outcome = c.encode("no special tokens here")
     assert outcome == CacheOutcome("off", 0)
     assert c.stats()["l1"]["misses"] == 1 and c.stats()["l1"]["entries"] == 0
@@ -101,7 +100,7 @@ def test_input_without_special_tokens_is_an_l1_miss() -> None:
 
 def test_growing_conversation_reuses_its_latest_turn() -> None:
     tok = TiktokenTok()
-    c = TokenCache(tok, CacheConfig(l1_enabled=True))
+    c = TokenCache(tok, CacheConfig(l1_enabled=True), l1_min_prefix=0)
     previous = ""
     for turns in range(1, 9):
         text = conversation(1, turns)
@@ -118,7 +117,7 @@ def test_growing_conversation_reuses_its_latest_turn() -> None:
 def test_a_cached_prefix_is_found_under_many_new_boundaries() -> None:
     """A lookup keys the deepest few boundaries first; a hit further back is still the deepest one."""
     tok = TiktokenTok()
-    c = TokenCache(tok, CacheConfig(l1_enabled=True))
+    c = TokenCache(tok, CacheConfig(l1_enabled=True), l1_min_prefix=0)
     text = conversation(3, 2)
     c.encode(text)
     for extra in (1, 7, 8, 9, 30):
@@ -132,7 +131,7 @@ def test_a_cached_prefix_is_found_under_many_new_boundaries() -> None:
 
 def test_a_miss_tokenizes_each_piece_once_and_a_hit_only_the_rest() -> None:
     tok = TiktokenTok()
-    c = TokenCache(tok, CacheConfig(l1_enabled=True))
+    c = TokenCache(tok, CacheConfig(l1_enabled=True), l1_min_prefix=0)
     tok.calls.clear()  # the load-time probes
     text = conversation(2, 6)
     c.encode(text)
@@ -147,7 +146,7 @@ def test_a_miss_tokenizes_each_piece_once_and_a_hit_only_the_rest() -> None:
 
 
 def test_returned_ids_are_fresh_lists() -> None:
-    c = TokenCache(deepseek(), CacheConfig(l0_enabled=True, l1_enabled=True))
+    c = TokenCache(deepseek(), CacheConfig(l0_enabled=True, l1_enabled=True), l1_min_prefix=0)
     text = f"abc{DS_EOS}def"
     ids, _ = c.encode(text)
     want = list(ids)
@@ -160,7 +159,7 @@ def test_returned_ids_are_fresh_lists() -> None:
 
 def test_l0_bounds_hold_under_a_flood_of_distinct_large_inputs() -> None:
     cfg = CacheConfig(l0_enabled=True, l0_max_entries=50, l0_max_bytes=400_000)
-    c = TokenCache(TiktokenTok(), cfg)
+    c = TokenCache(TiktokenTok(), cfg, l1_min_prefix=0)
     for i in range(120):
         c.encode(f"{i} " + "x" * (5000 + 97 * i))
         s = c.stats()["l0"]
@@ -172,7 +171,7 @@ def test_l0_bounds_hold_under_a_flood_of_distinct_large_inputs() -> None:
 
 
 def test_l0_does_not_keep_an_input_over_a_quarter_of_its_byte_budget() -> None:
-    c = TokenCache(TiktokenTok(), CacheConfig(l0_enabled=True, l0_max_bytes=100_000))
+    c = TokenCache(TiktokenTok(), CacheConfig(l0_enabled=True, l0_max_bytes=100_000), l1_min_prefix=0)
     big = "word " * 6000  # 30 kB of text, plus its ids
     assert c.encode(big)[1].l0 == "miss"
     assert c.encode(big)[1].l0 == "miss"
@@ -180,7 +179,7 @@ def test_l0_does_not_keep_an_input_over_a_quarter_of_its_byte_budget() -> None:
 
 
 def test_l0_hot_entry_survives_turnover() -> None:
-    c = TokenCache(TiktokenTok(), CacheConfig(l0_enabled=True, l0_max_entries=20))
+    c = TokenCache(TiktokenTok(), CacheConfig(l0_enabled=True, l0_max_entries=20), l1_min_prefix=0)
     hot = "the hot prompt"
     c.encode(hot)
     for i in range(500):
@@ -193,7 +192,7 @@ def test_l0_hot_entry_survives_turnover() -> None:
 def test_l1_bound_holds_and_a_hot_prefix_survives_turnover() -> None:
     budget = 200_000
     tok = TiktokenTok()
-    c = TokenCache(tok, CacheConfig(l1_enabled=True, l1_max_memory=budget))
+    c = TokenCache(tok, CacheConfig(l1_enabled=True, l1_max_memory=budget), l1_min_prefix=0)
     shared = "You are a careful assistant. " * 100  # a long system prompt every user shares
     for user in range(150):
         text = conversation(user, 4, size=600, system=shared)
@@ -206,20 +205,58 @@ def test_l1_bound_holds_and_a_hot_prefix_survives_turnover() -> None:
     assert s["evictions"] > 0 and s["entries"] > 0
 
 
-def test_prefix_store_refuses_entries_larger_than_its_budget() -> None:
-    from array import array
+def test_l1_keeps_no_input_over_its_share_of_the_budget_and_evicts_whole_blocks() -> None:
+    """One input adds at most a quarter of the budget: a prefix whose block (text and ids) is charged
+    more is not kept; kept ones are evicted least recently used first, the bound never passed."""
+    budget = 40_000
+    tok = TiktokenTok()
+    c = TokenCache(tok, CacheConfig(l1_enabled=True, l1_max_memory=budget), l1_min_prefix=0)
+    big = "x y " * 5000 + EOT  # 20 kB of text: over a quarter of the budget
+    assert c.encode(big + "tail")[0] == tok.raw.encode(big + "tail", allowed_special="all")
+    assert c.stats()["l1"]["entries"] == 0
+    for i in range(100):
+        text = f"prompt {i} " + "w " * 400 + EOT + "question"
+        assert c.encode(text)[0] == tok.raw.encode(text, allowed_special="all")
+        s = c.stats()["l1"]
+        assert 0 < s["bytes"] <= budget
+    assert s["evictions"] > 0
+    assert c.encode(text + "!")[1].l1_reused_tokens > 0  # the most recent survives
 
-    store = PrefixStore(1000)
-    store.put_many([(b"a", array("I", [1]), 400), (b"b", array("I", [2]), 5000), (b"c", array("I", [3]), 500)])
-    assert len(store) == 2 and store.bytes == 900
-    store.put_many([(b"d", array("I", [4]), 300)])
-    assert store.bytes <= 1000 and store.evictions == 1
-    assert store.deepest([b"a", b"c", b"d"])[0] in (1, 2)
+
+def test_clear_drops_every_entry_and_keeps_the_counters() -> None:
+    c = TokenCache(deepseek(), CacheConfig(l0_enabled=True, l1_enabled=True), l1_min_prefix=0)
+    text = f"abc{DS_EOS}def"
+    c.encode(text)
+    c.encode(text)
+    c.clear()
+    s = c.stats()
+    assert s["l0"]["entries"] == s["l1"]["entries"] == s["l0"]["bytes"] == s["l1"]["bytes"] == 0
+    assert s["l0"]["hits"] == 1 and s["l0"]["misses"] == 1
+    ids, outcome = c.encode(text)
+    assert ids == deepseek().encode(text) and outcome == CacheOutcome("miss", 0)
+
+
+def test_l1_skips_inputs_whose_deepest_boundary_is_short() -> None:
+    """The documented rule (workers/cache/l1.py MIN_PREFIX): a prefix shorter than that is not worth a
+    lookup; such an input is encoded whole, counted as an L1 miss, and nothing is kept."""
+    from tokenbroker.workers.cache.l1 import MIN_PREFIX
+
+    tok = TiktokenTok()
+    c = TokenCache(tok, CacheConfig(l1_enabled=True))
+    short = "a" * (MIN_PREFIX - len(EOT) - 1) + EOT
+    for _ in range(2):
+        ids, outcome = c.encode(short + "tail")
+        assert ids == tok.raw.encode(short + "tail", allowed_special="all") and outcome.l1_reused_tokens == 0
+    assert c.stats()["l1"]["entries"] == 0 and c.stats()["l1"]["misses"] == 2
+    long = "a" * MIN_PREFIX + EOT
+    c.encode(long + "tail")
+    ids, outcome = c.encode(long + "more")
+    assert ids == tok.raw.encode(long + "more", allowed_special="all") and outcome.l1_reused_tokens > 0
 
 
 @pytest.mark.parametrize("flag", [False, True])
 def test_l1_keys_on_the_add_special_tokens_flag(flag: bool) -> None:
-    c = TokenCache(deepseek(), CacheConfig(l1_enabled=True))
+    c = TokenCache(deepseek(), CacheConfig(l1_enabled=True), l1_min_prefix=0)
     c.encode(f"abc{DS_EOS}def", flag)
     assert c.encode(f"abc{DS_EOS}xyz", flag)[1].l1_reused_tokens > 0
     assert c.encode(f"abc{DS_EOS}xyz", not flag)[1].l1_reused_tokens == 0
@@ -227,7 +264,7 @@ def test_l1_keys_on_the_add_special_tokens_flag(flag: bool) -> None:
 
 def test_text_with_lone_surrogates_is_tokenized_as_the_tokenizer_does() -> None:
     tok = TiktokenTok()
-    c = TokenCache(tok, CacheConfig(l0_enabled=True, l1_enabled=True))
+    c = TokenCache(tok, CacheConfig(l0_enabled=True, l1_enabled=True), l1_min_prefix=0)
     text = f"a\ud800b{EOT}c"
     want = tok.raw.encode(text, allowed_special="all")
     assert c.encode(text)[0] == want and c.encode(text)[0] == want
@@ -237,19 +274,26 @@ def test_l1_entry_is_charged_its_prefix_bytes_its_ids_and_a_fixed_overhead() -> 
     from tokenbroker.workers.cache.accounting import ENTRY_OVERHEAD
 
     tok = TiktokenTok()
-    c = TokenCache(tok, CacheConfig(l1_enabled=True))
+    c = TokenCache(tok, CacheConfig(l1_enabled=True), l1_min_prefix=0)
     prefix = f"naïve prefix{EOT}"
     c.encode(prefix + "rest")
     s = c.stats()["l1"]
     n_ids = len(tok.raw.encode(prefix, allowed_special="all"))
-    assert s["entries"] == 1 and s["bytes"] == len(prefix.encode()) + 4 * n_ids + ENTRY_OVERHEAD
+    # held as CPython holds the str: one byte per character here (latin-1), 2 or 4 in wider strs
+    assert s["entries"] == 1 and s["bytes"] == len(prefix) + 4 * n_ids + ENTRY_OVERHEAD
+    # a UCS-2 str reusing the latin-1 prefix: its block (not chained across widths) holds its whole
+    # text to its new boundary at 2 bytes per character
+    assert c.encode(f"{prefix}日本{EOT}rest")[1].l1_reused_tokens == n_ids
+    wide = f"{prefix}日本{EOT}"
+    s2 = c.stats()["l1"]
+    assert s2["bytes"] - s["bytes"] == 2 * len(wide) + 4 * len(tok.raw.encode(wide, allowed_special="all")) + ENTRY_OVERHEAD
 
 
 def test_l1_flood_of_tiny_distinct_prefixes_stays_in_budget() -> None:
     from tokenbroker.workers.cache.accounting import ENTRY_OVERHEAD
 
     budget = 64 * 1024
-    c = TokenCache(TiktokenTok(), CacheConfig(l1_enabled=True, l1_max_memory=budget))
+    c = TokenCache(TiktokenTok(), CacheConfig(l1_enabled=True, l1_max_memory=budget), l1_min_prefix=0)
     for i in range(3000):
         c.encode(f"{i}{EOT}x")
     s = c.stats()["l1"]
@@ -260,7 +304,7 @@ def test_deepseek_conversation_reuses_through_its_user_and_assistant_tokens() ->
     """<｜User｜> and <｜Assistant｜> are non-special added tokens: the next turn reuses everything up to
     the previous request's generation prompt, not just up to its last end-of-sentence."""
     tok = deepseek()
-    c = TokenCache(tok, CacheConfig(l1_enabled=True))
+    c = TokenCache(tok, CacheConfig(l1_enabled=True), l1_min_prefix=0)
     bos = tok.named_specials["bos_token"]
     text = f"{bos}You are terse."
     for turn in range(4):
@@ -280,7 +324,7 @@ def test_an_input_with_thousands_of_boundaries_costs_few_tokenizer_calls_and_a_b
 
     budget = 2_000_000  # a quarter holds the deepest prefix (~130 kB charged) a few times over
     tok = TiktokenTok()
-    c = TokenCache(tok, CacheConfig(l1_enabled=True, l1_max_memory=budget))
+    c = TokenCache(tok, CacheConfig(l1_enabled=True, l1_max_memory=budget), l1_min_prefix=0)
     text = "".join(f"{i}{EOT}" for i in range(5000)) + "tail"
     tok.calls.clear()
     ids, outcome = c.encode(text)
@@ -294,3 +338,19 @@ def test_an_input_with_thousands_of_boundaries_costs_few_tokenizer_calls_and_a_b
     ids, outcome = c.encode(longer)
     assert ids == tok.raw.encode(longer, allowed_special="all")
     assert outcome.l1_reused_tokens > 0 and sum(map(len, tok.calls)) < 100  # only what follows the hit
+
+
+@pytest.mark.parametrize("wide", ["日本", "👍"])
+def test_a_turn_that_brings_a_wider_character_still_reuses_the_history(wide: str) -> None:
+    """Keys follow how CPython holds the str (1, 2 or 4 bytes a character): a turn whose new text
+    needs a wider str still finds the prefixes its narrower history stored, then stores its own."""
+    tok = TiktokenTok()
+    c = TokenCache(tok, CacheConfig(l1_enabled=True), l1_min_prefix=0)
+    text = conversation(5, 3)  # latin-1
+    c.encode(text)
+    for more in (f"a question with {wide}{EOT}", "and the next one" + EOT):
+        longer = text + more
+        ids, outcome = c.encode(longer)
+        assert ids == tok.raw.encode(longer, allowed_special="all")
+        assert outcome.l1_reused_tokens == len(tok.raw.encode(text, allowed_special="all"))
+        text = longer

@@ -151,7 +151,7 @@ LAYERS = {
 @cache
 def token_cache(name: str, layers: str) -> TokenCache:
     """One cache per tokenizer and layer set, kept across examples so later examples hit earlier entries."""
-    return TokenCache(tokenizer(name), LAYERS[layers], name=name)
+    return TokenCache(tokenizer(name), LAYERS[layers], name=name, l1_min_prefix=0)
 
 
 def spliced_specials(name: str) -> list[str]:
@@ -229,7 +229,7 @@ def test_cache_is_right_where_a_naive_prefix_split_is_wrong(name: str) -> None:
             naive = tok.encode(prefix, add_special_tokens=flag) + tok.encode(rest, add_special_tokens=flag)
             want = tok.encode(full, add_special_tokens=flag)
             wrong += naive != want
-            c = TokenCache(tok, LAYERS["l1"])
+            c = TokenCache(tok, LAYERS["l1"], l1_min_prefix=0)
             assert c.encode(prefix + "<|im|>", flag)[0] == tok.encode(prefix + "<|im|>", add_special_tokens=flag)
             assert c.encode(full, flag)[0] == want
             assert c.encode(full + "<|end|> more", flag)[0] == tok.encode(full + "<|end|> more", add_special_tokens=flag)
@@ -240,7 +240,7 @@ def test_single_word_special_stays_exact() -> None:
     """single_word specials match only between non-word characters: pieces that would differ are refused."""
     tok = HFTok(build_sentencepiece("first", extra=[AddedToken("<w>", special=True, normalized=False, single_word=True)]),
                 SP_NAMED)
-    c = TokenCache(tok, LAYERS["l1"])
+    c = TokenCache(tok, LAYERS["l1"], l1_min_prefix=0)
     for text in ["a<w>b", "a <w> b", "<w>b <w> c", "x <w>", "<w>", "<w>y<|im|> z <w>"]:
         for flag in (False, True):
             assert c.encode(text, flag)[0] == tok.encode(text, add_special_tokens=flag), text
@@ -253,7 +253,7 @@ def test_tiktoken_with_nested_special_tokens_bypasses_l1_and_says_why() -> None:
         special_tokens={"<|a|>": base.n_vocab, "<|a|>b": base.n_vocab + 1},
     )
     tok = TiktokenTok(nested)
-    c = TokenCache(tok, LAYERS["both"], name="nested")
+    c = TokenCache(tok, LAYERS["both"], name="nested", l1_min_prefix=0)
     assert not c.l1_active
     assert c.l1_bypass_reason is not None and "<|a|>" in c.l1_bypass_reason
     ids, outcome = c.encode("x<|a|>b y<|a|>", True)
@@ -270,7 +270,7 @@ def test_tokenizer_with_truncation_on_bypasses_l1() -> None:
             super().__init__(raw, tok.named_specials)
             raw.enable_truncation(128)
 
-    c = TokenCache(Truncating(), LAYERS["l1"])
+    c = TokenCache(Truncating(), LAYERS["l1"], l1_min_prefix=0)
     assert not c.l1_active and "truncation" in (c.l1_bypass_reason or "")
 
 
@@ -288,7 +288,7 @@ def test_boundaries_are_the_added_tokens_matched_on_raw_text_special_or_not() ->
 
 def test_second_pass_tokens_are_cut_exactly_where_the_tokenizer_splits() -> None:
     tok = tokenizer("sp-raw")
-    c = TokenCache(tok, LAYERS["l1"])
+    c = TokenCache(tok, LAYERS["l1"], l1_min_prefix=0)
     cases = [
         ("hello<|turn|>", "   world"),  # rstrip: the spaces after it are eaten
         ("hello ", "<|say|> there"),  # lstrip: the space before it is eaten
@@ -317,7 +317,7 @@ def test_cached_ids_equal_uncached_ids_when_spans_hold_many_boundaries(name: str
               database=None)
     @given(pieces=st.lists(piece, min_size=20, max_size=80), cut=st.integers(0, 79))
     def run(pieces: list[str], cut: int) -> None:
-        c = TokenCache(tok, LAYERS["l1"])
+        c = TokenCache(tok, LAYERS["l1"], l1_min_prefix=0)
         head, text = "".join(pieces[:cut]), "".join(pieces)
         for flag in (False, True):
             c.encode(head, flag)  # a stored prefix somewhere inside, so lookups hit at various depths

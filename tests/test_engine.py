@@ -56,7 +56,7 @@ def reference(source: str) -> Any:
 
 @cache
 def token_cache(source: str, mode: str) -> TokenCache:
-    return TokenCache(served_tokenizer(source), MODES[mode], name=source)
+    return TokenCache(served_tokenizer(source), MODES[mode], name=source, l1_min_prefix=0)
 
 
 def added_tokens(source: str) -> list[str]:
@@ -189,7 +189,7 @@ def test_a_worker_serves_at_once_then_switches_to_fastokens_and_models_says_whic
     with serving("--tokenizer-backend", "auto", "--worker-start", "exec", "--metrics-port", str(free_port()),
                  "--model-path", EMBEDDED_DEFAULT, "--model", f"legacy={legacy}", "--model", f"lstrip={lstrip}",
                  "--model", f"bert={BERT_DIR}", "--tokenizer-cache-enable-l0", "--tokenizer-cache-enable-l1") as (broker, conn):
-        text = "<｜User｜>hello  world<｜Assistant｜>" * 3
+        text = "<｜User｜>hello  world<｜Assistant｜>" * 80  # past L1's MIN_PREFIX: a prefix worth a lookup
         want = reference(EMBEDDED_DEFAULT).encode(text)
         assert conn.call("tokenize", text=text)["tokens"] == want  # served before any switch
         def switched() -> dict | None:

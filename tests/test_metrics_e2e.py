@@ -21,7 +21,7 @@ from helpers import Conn, Samples, free_port, sample, scrape, series, start_brok
 PROMTOOL = shutil.which("promtool")
 CACHE_FLAGS = ("--tokenizer-cache-enable-l0", "--tokenizer-cache-l0-max-entries", "2", "--tokenizer-cache-enable-l1")
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-SYSTEM = f"{BOS}You are terse.{EOS}"
+SYSTEM = f"{BOS}You are terse. {'Keep every answer short. ' * 24}{EOS}"  # past L1's MIN_PREFIX (512 characters)
 PLAIN, OTHER = "plain words and no special tokens at all", "another plain text"
 FIRST, SECOND = SYSTEM + "first question", SYSTEM + "second question"
 AFFINITY = "metrics-session"  # pins the known traffic on one worker, whose caches it then fills

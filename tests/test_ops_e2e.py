@@ -46,7 +46,8 @@ def _hf_ids(hf, messages, **kw) -> list[int]:
 
 
 CONVERSATION = [
-    {"role": "system", "content": "You are a careful assistant. Answer in one sentence."},
+    # long enough that each turn's prompt ends past L1's MIN_PREFIX (512 characters): a prefix worth a lookup
+    {"role": "system", "content": "You are a careful assistant. Answer in one sentence. " + "Be precise and polite. " * 24},
     {"role": "user", "content": "What is the capital of France? Réponds en français, s'il te plaît."},
     {"role": "assistant", "content": "La capitale de la France est Paris."},
     {"role": "user", "content": "And of Japan? 日本の首都は？"},

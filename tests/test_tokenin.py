@@ -109,7 +109,7 @@ def ops(request: pytest.FixtureRequest, loaded: list[Model]) -> Ops:
     registry = ModelRegistry(ModelConfig(models=(bert.spec,), cache=config, max_models=len(MODELS)))
     for m in loaded:
         if m is not bert:
-            registry.install(Model(m.spec, m.tokenizer, TokenCache(m.tokenizer, config, name=m.name), m.templates))
+            registry.install(Model(m.spec, m.tokenizer, TokenCache(m.tokenizer, config, name=m.name, l1_min_prefix=0), m.templates))
     return Ops(registry, "test")
 
 

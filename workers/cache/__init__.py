@@ -16,19 +16,22 @@ CacheOutcome(l0='miss', l1_reused_tokens=0)
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 from tokenbroker.common.config import CacheConfig
 
-from ..tokenizers import ids_to_u32
-from .accounting import LayerStats
-from .l0 import L0Cache
-from .l1 import L1Cache
+from ._cache import L0Store, L1Store
+from .accounting import empty_stats
+from .l0 import new_l0
+from .l1 import MIN_PREFIX, encoders, new_l1
 from .segment import NotSplittable, Segmenter, Tokenizer, check_exact
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CacheOutcome", "TokenCache"]
+
+_LITTLE = sys.byteorder == "little"
 
 
 @dataclass(frozen=True)
@@ -38,57 +41,79 @@ class CacheOutcome:
 
 
 OFF = CacheOutcome("off", 0)
+HIT = CacheOutcome("hit", 0)
+MISS = CacheOutcome("miss", 0)
+
+
+def u32_list(packed: bytes) -> list[int]:
+    """Little-endian u32 bytes as a list of ids."""
+    if _LITTLE:
+        return memoryview(packed).cast("I").tolist()
+    from array import array  # pragma: no cover - big-endian hosts only
+
+    a = array("I")  # pragma: no cover
+    a.frombytes(packed)  # pragma: no cover
+    a.byteswap()  # pragma: no cover
+    return a.tolist()  # pragma: no cover
 
 
 class TokenCache:
-    """Wraps one loaded tokenizer. Returned id lists are fresh: callers may keep or change them."""
+    """Wraps one loaded tokenizer. Returned id lists are fresh: callers may keep or change them;
+    returned packed bytes are immutable (an L0 hit returns the kept bytes object itself)."""
 
-    def __init__(self, tokenizer: Tokenizer, config: CacheConfig, *, name: str = "") -> None:
+    def __init__(self, tokenizer: Tokenizer, config: CacheConfig, *, name: str = "",
+                 l1_min_prefix: int = MIN_PREFIX) -> None:
         self.tokenizer = tokenizer
         self.name = name
-        self._l0 = L0Cache(config.l0_max_entries, config.l0_max_bytes) if config.l0_enabled else None
-        self._l1: L1Cache | None = None
+        self._l0: L0Store | None = new_l0(config) if config.l0_enabled else None
+        self._l1: L1Store | None = None
+        self._whole = encoders(tokenizer)[1]
         self.l1_bypass_reason: str | None = None
         if config.l1_enabled:
-            self.l1_bypass_reason = self._start_l1(config.l1_max_memory)
+            self.l1_bypass_reason = self._start_l1(config.l1_max_memory, l1_min_prefix)
             if self.l1_bypass_reason is not None:
                 log.warning("tokenizer %s: L1 cache bypassed: %s", name or "?", self.l1_bypass_reason)
 
-    def _start_l1(self, budget: int) -> str | None:
+    def _start_l1(self, budget: int, min_prefix: int) -> str | None:
         """Build L1 if splitting at added tokens is exact for this tokenizer; else say why not."""
         try:
             seg = Segmenter(self.tokenizer)
         except NotSplittable as e:
             return str(e)
-        reason = check_exact(seg, self.tokenizer)
+        probe = new_l1(self.tokenizer, seg, budget, min_prefix=0)  # the compiled path itself, on the probes
+        reason = check_exact(seg, self.tokenizer, lambda text, flag: probe.encode(text, flag, False))
         if reason is None:
-            self._l1 = L1Cache(self.tokenizer, seg, budget)
+            self._l1 = new_l1(self.tokenizer, seg, budget, min_prefix=min_prefix)
         return reason
 
     def fast_engine_serves(self) -> None:
-        """The tokenizer is now served by its fast engine (workers/engine.py, whose probes also check
-        `encode_ordinary`, what L1 encodes its pieces with). L0 and L1 stay as the operator configured
-        them: the reply's `cache` fields keep their meaning. With fastokens, L1 costs more than it saves
-        on agent traffic (scripts/bench_engine: 1.9x the CPU of L0 alone), so docs/sizing.md advises
-        leaving it off where fastokens serves."""
+        """The tokenizer is now served by its fast engine (workers/engine.py, whose probes check every
+        entry point L1 encodes with). L0 and L1 stay as the operator configured them: both call the
+        wrapper, which now goes to the engine, and the reply's `cache` fields keep their meaning."""
         if self._l1 is not None:
-            log.info("tokenizer %s: served by fastokens with L1 on: L1 re-encodes less but costs more than "
-                     "fastokens' own encode on most traffic (docs/sizing.md)", self.name or "?")
+            log.info("tokenizer %s: served by fastokens with L1 on (inputs whose deepest boundary ends before "
+                     "%d characters are encoded whole: docs/sizing.md)", self.name or "?", self._l1.min_prefix)
 
     def encode_u32(self, text: str, add_special_tokens: bool = True) -> tuple[bytes, CacheOutcome]:
-        """`encode`'s ids as little-endian uint32 bytes: without L1, built and kept without an int
-        per id (the engine's packed buffer into L0, L0's array out)."""
-        if self._l1 is not None:
-            ids, outcome = self.encode(text, add_special_tokens)
-            return ids_to_u32(ids), outcome
-        if self._l0 is None:
-            return self.tokenizer.encode_u32([text], add_special_tokens=add_special_tokens)[0], OFF
-        packed = self._l0.get_u32(text, add_special_tokens)
-        if packed is not None:
-            return packed, CacheOutcome("hit", 0)
-        packed = self.tokenizer.encode_u32([text], add_special_tokens=add_special_tokens)[0]
-        self._l0.put_u32(text, add_special_tokens, packed)
-        return packed, CacheOutcome("miss", 0)
+        """`encode`'s ids as little-endian uint32 bytes, packed end to end: engine buffer, caches and
+        reply never hold an int per id."""
+        l0, l1 = self._l0, self._l1
+        if l1 is not None:  # L0 too, if on: looked up first, keyed in L1's one pass over the input
+            packed = l1.encode(text, add_special_tokens, True, l0)
+            reused = l1.last_reused
+            if l0 is None:
+                return packed, (CacheOutcome("off", reused) if reused else OFF)
+            if l1.last_l0 == 1:
+                return packed, HIT
+            return packed, (CacheOutcome("miss", reused) if reused else MISS)
+        if l0 is None:
+            return self._whole(text, add_special_tokens), OFF
+        kept = l0.get(text, add_special_tokens)
+        if kept is not None:
+            return kept, HIT
+        packed = self._whole(text, add_special_tokens)
+        l0.put(text, add_special_tokens, packed)
+        return packed, MISS
 
     @property
     def l1_active(self) -> bool:
@@ -103,20 +128,8 @@ class TokenCache:
         """The tokenizer's ids for `text`, and where they came from."""
         if self._l0 is None and self._l1 is None:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens), OFF
-        l0 = "off"
-        if self._l0 is not None:
-            ids = self._l0.get(text, add_special_tokens)
-            if ids is not None:
-                return ids, CacheOutcome("hit", 0)
-            l0 = "miss"
-        reused, stored = 0, None
-        if self._l1 is not None:
-            ids, reused, stored = self._l1.encode(text, add_special_tokens)
-        else:
-            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        if self._l0 is not None:
-            self._l0.put(text, add_special_tokens, ids, stored)
-        return ids, CacheOutcome(l0, reused)
+        packed, outcome = self.encode_u32(text, add_special_tokens)
+        return u32_list(packed), outcome
 
     def clear(self) -> None:
         """Let every L0 and L1 entry go, keeping the cumulative counters: the model went back to sleep
@@ -128,8 +141,7 @@ class TokenCache:
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Cumulative lookups, evictions and reused bytes per layer, with current entries and charged bytes."""
-        empty = LayerStats().as_dict()
         return {
-            "l0": self._l0.stats() if self._l0 is not None else empty,
-            "l1": self._l1.stats() if self._l1 is not None else empty,
+            "l0": self._l0.stats() if self._l0 is not None else empty_stats(),
+            "l1": self._l1.stats() if self._l1 is not None else empty_stats(),
         }

@@ -7,8 +7,9 @@ Why splitting there is exact, and how it is kept exact:
   between are normalized and tokens with `normalized=True` matched in each. Where the normalizer is
   the identity (none, or an empty Sequence: DeepSeek's `<｜User｜>` and `<｜Assistant｜>` are such),
   the second pass matches raw text too, so both are boundaries; otherwise only the first pass's.
-  tiktoken cuts at its special regex. `Segmenter.split` finds those same matches (a trie regex over
-  the same tokens is leftmost-longest too, run in the same two passes).
+  tiktoken cuts at its special regex. `Segmenter.matcher` (compiled, workers/cache/_cache.pyx) finds
+  those same matches: a code-point trie over the same tokens, leftmost-longest too, run in the same
+  two passes.
 - A piece is encoded with the token before it as left context and that token's id dropped, so
   whatever depends on what precedes a piece (Metaspace prepend_scheme "first", an rstrip token
   eating the whitespace after it) sees what the whole input would show it. Each result is checked:
@@ -25,13 +26,13 @@ Why splitting there is exact, and how it is kept exact:
 from __future__ import annotations
 
 import json
-import re
-from array import array
 from bisect import bisect_left
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
-from .accounting import ID_TYPECODE
+from ..tokenizers import ids_to_u32
+
+from ._cache import Matcher
 
 
 class Tokenizer(Protocol):
@@ -49,26 +50,6 @@ class Tokenizer(Protocol):
 
 class NotSplittable(Exception):
     """This tokenizer cannot be split at added tokens exactly; the message says why."""
-
-
-def trie_regex(words: list[bytes]) -> re.Pattern[bytes]:
-    """Leftmost-longest matcher for literal byte strings: a trie whose optional tails are greedy."""
-    trie: dict[Any, Any] = {}
-    for w in words:
-        node = trie
-        for b in w:
-            node = node.setdefault(b, {})
-        node[None] = True
-
-    def emit(node: dict[Any, Any]) -> bytes:
-        kids = sorted((k, v) for k, v in node.items() if k is not None)
-        if not kids:
-            return b""
-        alts = [re.escape(bytes([k])) + emit(v) for k, v in kids]
-        body = alts[0] if len(alts) == 1 else b"(?:" + b"|".join(alts) + b")"
-        return b"(?:" + body + b")?" if None in node else body
-
-    return re.compile(emit(trie) if trie else b"(?!)")
 
 
 @dataclass(frozen=True)
@@ -153,16 +134,11 @@ def _tiktoken_tokens(tok: Tokenizer) -> _Matched:
 
 
 class Segmenter:
-    """Cuts an input around its boundaries (added tokens L1 may cut after) and encodes the text between.
-
-    An input is handled as `parts`, what `split` returns: [text, token, text, ..., token, text],
-    bytes, boundary tokens at the odd indices, so boundary i is `parts[2i + 1]`, the text before it
-    `parts[2i]` and the token before that `parts[2i - 1]`. Plain lists of bytes built by C-level
-    `re.split`: no Python object per boundary, which on a fast tokenizer costs more than encoding.
-    """
+    """Where L1 may cut a tokenizer's inputs: its boundary tokens (added tokens L1 may cut after, with
+    their ids), compiled into a `Matcher` that finds them in one pass over a str, exactly where the
+    tokenizer's own first split finds them; and the ids add_special_tokens puts around a sequence."""
 
     def __init__(self, tok: Tokenizer) -> None:
-        self._tok = tok
         if tok.kind == "huggingface":
             matched = _hf_tokens(tok)
         elif tok.kind == "tiktoken":
@@ -174,93 +150,21 @@ class Segmenter:
         self.notable = [t for t in matched.notable if t in self._bounds]
         if matched.second and one_pass_suffices(matched.first, matched.second):
             matched = replace(matched, first=matched.first + matched.second, second=[])
-        first = sorted({t.encode("utf-8") for t in matched.first if t})
-        second = sorted({t.encode("utf-8") for t in matched.second if t})
-        try:
-            self._first = re.compile(b"(" + trie_regex(first).pattern + b")")
-            self._second = re.compile(b"(" + trie_regex(second).pattern + b")") if second else None
-        except (RecursionError, OverflowError, re.error) as e:
-            raise NotSplittable(f"cannot build a matcher for {len(first) + len(second)} added tokens: {e}") from e
-        self._ids = {t.encode("utf-8"): i for t, i in self._bounds.items()}
-        # Some matches may not be boundaries (single_word tokens, tokens with edge whitespace): those
-        # are glued back into the text around them.
-        self._every_match_bounds = self._ids.keys() >= set(first) | set(second)
-        # tiktoken encodes the text between specials on its own: when every special it knows is a
-        # boundary, a piece is that text's ordinary encoding plus the special's id (no per-call set).
-        # Through the wrapper, not the library: it goes to the fast engine once that serves.
-        ordinary = getattr(tok, "encode_ordinary", None) or getattr(tok.raw, "encode_ordinary", None)
-        self._ordinary = ordinary if tok.kind == "tiktoken" and len(self._bounds) == len(first) else None
+        # Every token the tokenizer matches in a pass takes its text away from the others, boundary
+        # or not (single_word tokens, tokens with edge whitespace): those are matched and glued back
+        # into the text around them (id -1).
+        bound = self._bounds.get
+        first = sorted({t: bound(t, -1) for t in matched.first if t}.items())
+        second = sorted({t: bound(t, -1) for t in matched.second if t}.items())
+        if any(i < 0 or i > 0xFFFFFFFF for t, i in first + second if t in self._bounds):
+            raise NotSplittable("an added token's id does not fit 32 bits")
+        self.matcher = Matcher(first, second)
         self.head, self.tail = _learn_template(tok)
 
     @property
     def boundaries(self) -> dict[str, int]:
         """Boundary token text -> id."""
         return self._bounds
-
-    def split(self, data: bytes) -> list[bytes]:
-        """`data` as [text, token, ..., token, text]: boundary tokens at odd indices, nothing lost."""
-        parts = self._first.split(data)
-        second = self._second
-        if second is not None:  # the second pass, inside each text the first one leaves
-            if len(parts) == 1:
-                parts = second.split(data)
-            elif second.search(data):
-                parts = [q for i, p in enumerate(parts) for q in ((p,) if i & 1 else second.split(p))]
-        if self._every_match_bounds or len(parts) == 1 or self._ids.keys() >= set(parts[1::2]):
-            return parts
-        out = [parts[0]]
-        for i in range(1, len(parts), 2):
-            if parts[i] in self._ids:
-                out += (parts[i], parts[i + 1])
-            else:
-                out[-1] += parts[i] + parts[i + 1]
-        return out
-
-    def encode_piece(self, text: bytes, left: bytes | None, right: bytes | None, *, inner: bool = False) -> list[int] | None:
-        """Ids of `text` and then the `right` token as they appear in the whole input, where `left` is
-        the token before `text` (None at the start, and `right` None at the end); None when a check
-        shows the result would differ. `inner`: `text` holds boundaries of its own (several pieces in
-        one call), which the tokenizer splits at as it always does."""
-        if self._ordinary is not None and not inner:
-            ids = self._ordinary(text.decode("utf-8"))
-            if right is not None:
-                ids.append(self._ids[right])
-            return ids
-        if right is not None:
-            text += right
-        if left is None:
-            ids = self._tok.encode(text.decode("utf-8"), add_special_tokens=False)
-        elif not text:
-            return []
-        else:
-            ids = self._tok.encode((left + text).decode("utf-8"), add_special_tokens=False)
-            if not ids or ids[0] != self._ids[left]:
-                return None
-            del ids[0]
-        if right is not None and (not ids or ids[-1] != self._ids[right]):
-            return None
-        return ids
-
-    def finish(self, ids: array, add_special_tokens: bool) -> None:
-        """Apply the post-processor's head and tail once, in place, as encoding the whole input would."""
-        if add_special_tokens:
-            if self.head:
-                ids[:0] = array(ID_TYPECODE, self.head)
-            if self.tail:
-                ids.fromlist(self.tail)
-
-    def encode_split(self, text: str, add_special_tokens: bool) -> list[int] | None:
-        """The whole input the L1 way, piece by piece (no cache); None when a check refused."""
-        parts = self.split(text.encode("utf-8"))
-        out = array(ID_TYPECODE)
-        for i in range(0, len(parts), 2):
-            right = parts[i + 1] if i + 1 < len(parts) else None
-            ids = self.encode_piece(parts[i], parts[i - 1] if i else None, right)
-            if ids is None:
-                return None
-            out.fromlist(ids)
-        self.finish(out, add_special_tokens)
-        return out.tolist()
 
 
 def _learn_template(tok: Tokenizer) -> tuple[list[int], list[int]]:
@@ -305,13 +209,13 @@ def probe_texts(seg: Segmenter, named: dict[str, str], added: list[str]) -> list
     return texts
 
 
-def check_exact(seg: Segmenter, tok: Tokenizer) -> str | None:
-    """Why splitting changes a result on the probes, or None when it never does."""
+def check_exact(seg: Segmenter, tok: Tokenizer, split_encode: Callable[[str, bool], bytes]) -> str | None:
+    """Why splitting changes a result on the probes, or None when it never does. `split_encode` is
+    the compiled L1 path (an empty store that keeps nothing: every boundary a cut), packed ids."""
     decoder = getattr(tok.raw, "get_added_tokens_decoder", None)
     added = [a.content for a in decoder().values()] if decoder else list(tok.special_tokens)
     for text in probe_texts(seg, tok.named_specials, added):
         for flag in (False, True):
-            got = seg.encode_split(text, flag)
-            if got is not None and got != tok.encode(text, add_special_tokens=flag):
+            if split_encode(text, flag) != ids_to_u32(tok.encode(text, add_special_tokens=flag)):
                 return f"splitting at added tokens changes the ids of {text!r} (add_special_tokens={flag})"
     return None
