@@ -100,8 +100,9 @@ def test_a_model_going_back_to_sleep_lets_its_cache_entries_go_and_keeps_its_cou
     assert registry.get("b") is None and "b" in registry.dormant
     woken = registry.wake(spec_b)
     assert woken is not None
+    system = "You are a careful assistant. " * 40  # past L1's shortest prefix worth keeping (MIN_PREFIX)
     for i in range(50):
-        woken.cache.encode(f"<｜User｜>text number {i}<｜Assistant｜>more", True)
+        woken.cache.encode(f"{system}<｜User｜>text number {i}<｜Assistant｜>more", True)
     stats = woken.cache.stats()
     assert stats["l0"]["entries"] == 50 and stats["l0"]["bytes"] > 0
     assert registry.unload("b") is woken and registry.dormant["b"] is woken
