@@ -36,7 +36,7 @@ from libc.string cimport memcpy, memcmp
 from common._wire cimport (Head, read_head, skip, utf8_valid, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR,
                            K_BIN, K_ARRAY, K_MAP, K_EXT, W_OK, W_TRUNCATED, W_INVALID, W_TOO_DEEP, W_TOO_LONG)
 
-from collections import namedtuple
+from heapq import heapify, heappop, heappush
 
 from tokenbroker.common.errors import ProtocolError
 
@@ -59,9 +59,37 @@ GROWTH_DIVISOR = 8
 NIL = b"\xc0"
 MAX_DEADLINE_MS = 2**31 - 1
 
-RouteKey = namedtuple("RouteKey", ["key", "blocks"])
-RouteKey.__doc__ = ("Where a request would like to run: `key` the rendezvous key, `blocks` the prefix-block "
-                    "hashes, shallow to deep (() when the client gave `affinity` or nothing was hashed).")
+
+
+cdef class RouteKey:
+    """Where a request would like to run: `key` the rendezvous key, `blocks` the prefix-block hashes,
+    shallow to deep (() when the client gave `affinity` or nothing was hashed). Immutable, compared
+    and hashed by value (a dispatcher turn keeps a set of the keys that wait)."""
+
+    cdef readonly bytes key
+    cdef readonly tuple blocks
+
+    def __init__(self, bytes key, tuple blocks=()):
+        self.key = key
+        self.blocks = blocks
+
+    def __eq__(self, other):
+        if not isinstance(other, RouteKey):
+            return NotImplemented
+        return self.key == (<RouteKey>other).key and self.blocks == (<RouteKey>other).blocks
+
+    def __hash__(self):
+        return hash(self.key) ^ len(self.blocks)
+
+    def __repr__(self):
+        return f"RouteKey(key={self.key!r}, blocks=<{len(self.blocks)} blocks>)"
+
+
+cdef inline RouteKey _rk(bytes key, tuple blocks):
+    cdef RouteKey k = RouteKey.__new__(RouteKey)
+    k.key = key
+    k.blocks = blocks
+    return k
 
 # --- block boundaries --------------------------------------------------------------------
 
@@ -605,9 +633,8 @@ cdef struct Cutter:
     uchar out[NBLOCKS + 1][DIGEST]
 
 
-cdef inline void cut_init(Cutter* c, const uchar* seed, Py_ssize_t n) noexcept nogil:
-    h_init(&c.h)
-    h_update(&c.h, seed, n)
+cdef inline void cut_init(Cutter* c, bytes kind, const uchar* model, Py_ssize_t mlen):
+    _seed_into(&c.h, kind, model, mlen)
     c.fed = 0
     c.nb = 0
     c.count = 0
@@ -655,9 +682,23 @@ cdef bytes _seed(bytes kind, const uchar* model, Py_ssize_t mlen):
     return b"tb1\x00" + kind + b"\x00" + PyBytes_FromStringAndSize(<char*>n8, 8) + PyBytes_FromStringAndSize(<const char*>model, mlen)
 
 
-cdef object _fallback(bytes seed):
+cdef void _seed_into(Hash* h, bytes kind, const uchar* model, Py_ssize_t mlen):
+    """Start a hash with the seed of a key kind and model, fed in parts (the stream is the same)."""
+    h_init(h)
+    h_update(h, <const uchar*>b"tb1\x00", 4)
+    h_update(h, <const uchar*><const char*>kind, len(kind))
+    h_update(h, <const uchar*>b"\x00", 1)
+    h_len(h, mlen)
+    h_update(h, model, mlen)
+
+
+cdef object _fallback(bytes kind, const uchar* model, Py_ssize_t mlen):
     """A malformed or empty input: the model alone keys it; the worker will say what is wrong."""
-    return RouteKey(_digest_of(<const uchar*><const char*>seed, len(seed)), ())
+    cdef Hash h
+    cdef uchar out[DIGEST]
+    _seed_into(&h, kind, model, mlen)
+    h_digest(&h, out)
+    return _rk(PyBytes_FromStringAndSize(<char*>out, DIGEST), ())
 
 
 cdef inline bint _str_or_bin(const uchar* p, Py_ssize_t end, Py_ssize_t at, Head* h, Py_ssize_t* data) noexcept nogil:
@@ -672,35 +713,34 @@ cdef object _text_key(bytes kind, const uchar* model, Py_ssize_t mlen, const uch
                       Py_ssize_t a, Py_ssize_t b):
     """A str or bin is hashed as it is; a list of str as one stream, its texts joined by 0xFF (a
     byte UTF-8 never holds); anything else falls back to the model alone."""
-    cdef bytes seed = _seed(kind, model, mlen)
     cdef Cutter c
     cdef Head h, ih
     cdef Py_ssize_t data, pos, i, at
     cdef uchar sep = 0xFF
     if a < 0:
-        return _fallback(seed)
-    cut_init(&c, <const uchar*><const char*>seed, len(seed))
+        return _fallback(kind, model, mlen)
+    cut_init(&c, kind, model, mlen)
     if _str_or_bin(p, b, a, &h, &data):
         cut_feed(&c, p + data, h.length)
     else:
         if h.kind != K_ARRAY:
-            return _fallback(seed)
+            return _fallback(kind, model, mlen)
         pos = data
         for i in range(h.length):
             if c.fed >= MAXH:
                 break
             at = pos
             if read_head(p, b, &pos, &ih) != W_OK or ih.kind != K_STR:
-                return _fallback(seed)
+                return _fallback(kind, model, mlen)
             if i > 0:
                 cut_feed(&c, &sep, 1)
             cut_feed(&c, p + pos, ih.length)
             pos += ih.length
     cut_finish(&c)
     if c.count == 0:
-        return _fallback(seed)
+        return _fallback(kind, model, mlen)
     blocks = _blocks(&c)
-    return RouteKey(blocks[0], blocks)
+    return _rk(blocks[0], blocks)
 
 
 cdef void _feed_capped(Hash* h, const uchar* p, Py_ssize_t a, Py_ssize_t b) noexcept nogil:
@@ -825,19 +865,17 @@ cdef int _message(Hash* h, const uchar* p, Py_ssize_t end, Py_ssize_t a, Py_ssiz
 cdef object _messages_key(bytes kind, const uchar* model, Py_ssize_t mlen, const uchar* p, Py_ssize_t end,
                           Py_ssize_t* sa, Py_ssize_t* sb, int nextra, Py_ssize_t a, Py_ssize_t b):
     """One block per message, after a seed of the parts a template renders up front (tools, ...)."""
-    cdef bytes seed = _seed(kind, model, mlen)
     cdef Hash h
     cdef Head lh
     cdef Py_ssize_t pos, i, at, vend, budget = MAXH, used
     cdef int x, count = 0
     cdef uchar out[NBLOCKS][DIGEST]
     if a < 0:
-        return _fallback(seed)
+        return _fallback(kind, model, mlen)
     pos = a
     if read_head(p, b, &pos, &lh) != W_OK or lh.kind != K_ARRAY:
-        return _fallback(seed)
-    h_init(&h)
-    h_update(&h, <const uchar*><const char*>seed, len(seed))
+        return _fallback(kind, model, mlen)
+    _seed_into(&h, kind, model, mlen)
     for x in range(nextra):
         _feed_capped(&h, p, sa[x], sb[x])
     for i in range(lh.length if lh.length < NBLOCKS else NBLOCKS):
@@ -853,9 +891,9 @@ cdef object _messages_key(bytes kind, const uchar* model, Py_ssize_t mlen, const
         pos = vend
     if count == 0:
         h_digest(&h, out[0])
-        return RouteKey(PyBytes_FromStringAndSize(<char*>out[0], DIGEST), ())
+        return _rk(PyBytes_FromStringAndSize(<char*>out[0], DIGEST), ())
     blocks = tuple([PyBytes_FromStringAndSize(<char*>out[i], DIGEST) for i in range(count)])
-    return RouteKey(blocks[0], blocks)
+    return _rk(blocks[0], blocks)
 
 
 cdef enum:  # body fields of count, by index
@@ -895,9 +933,8 @@ cdef object _count_key(const uchar* model, Py_ssize_t mlen, const uchar* p, Py_s
     cdef Py_ssize_t xb[5]
     cdef int f, m
     cdef Cutter c
-    cdef bytes seed
     if a < 0:
-        return _fallback(_seed(b"count", model, mlen))
+        return _fallback(b"count", model, mlen)
     pos = a
     read_head(p, b, &pos, &bh)
     if bh.kind != K_MAP:
@@ -906,20 +943,20 @@ cdef object _count_key(const uchar* model, Py_ssize_t mlen, const uchar* p, Py_s
         sa[i] = -1
     for i in range(bh.length):
         if read_head(p, b, &pos, &kh) != W_OK:
-            return _fallback(_seed(b"count", model, mlen))
+            return _fallback(b"count", model, mlen)
         if kh.kind == K_STR:
             if not utf8_valid(p + pos, kh.length):
-                return _fallback(_seed(b"count", model, mlen))
+                return _fallback(b"count", model, mlen)
             f = _count_field(p + pos, kh.length)
             pos += kh.length
         else:
             f = -1
             pos = _skip_key(p, b, pos, &kh)
             if pos < 0:
-                return _fallback(_seed(b"count", model, mlen))
+                return _fallback(b"count", model, mlen)
         vend = skip(p, b, pos, DEPTH)
         if vend < 0:
-            return _fallback(_seed(b"count", model, mlen))
+            return _fallback(b"count", model, mlen)
         if f >= 0:
             sa[f] = pos
             sb[f] = vend
@@ -936,13 +973,12 @@ cdef object _count_key(const uchar* model, Py_ssize_t mlen, const uchar* p, Py_s
     if m < 0:
         if sa[C_INPUT] >= 0 and _str_or_bin(p, b, sa[C_INPUT], &vh, &data):
             return _text_key(b"count", model, mlen, p, end, sa[C_INPUT], sb[C_INPUT])
-        seed = _seed(b"count", model, mlen)
-        cut_init(&c, <const uchar*><const char*>seed, len(seed))
+        cut_init(&c, b"count", model, mlen)
         # the whole body, framed by its length: never empty, so at least one block
         _cut_capped(&c, p, a, b)
         cut_finish(&c)
         blocks = _blocks(&c)
-        return RouteKey(blocks[0], blocks)
+        return _rk(blocks[0], blocks)
     for i in range(5):
         xa[i] = sa[C_SYSTEM + i]
         xb[i] = sb[C_SYSTEM + i]
@@ -998,7 +1034,7 @@ def route_key(Peek peek):
         if peek.s[F_AFFINITY] >= 0 and peek.affinity is not None:
             pos = peek.s[F_AFFINITY]
             read_head(p, end, &pos, &h)
-            return RouteKey(_digest_of_parts(b"affinity\x00", p + pos, h.length), ())
+            return _rk(_digest_of_parts(b"affinity\x00", p + pos, h.length), ())
         if peek.model is not None:
             pos = peek.s[F_MODEL]
             read_head(p, end, &pos, &h)
@@ -1012,7 +1048,7 @@ def route_key(Peek peek):
             return _messages_key(b"chat", model, mlen, p, end, xa, xb, 2, peek.s[F_MESSAGES], peek.e[F_MESSAGES])
         if op is OP_COUNT:
             return _count_key(model, mlen, p, end, peek.s[F_BODY], peek.e[F_BODY])
-        return _fallback(_seed(b"op:" + op.encode(), model, mlen))
+        return _fallback(b"op:" + op.encode(), model, mlen)
     finally:
         PyBuffer_Release(&buf)
 
@@ -1032,7 +1068,11 @@ def text_blocks(seed: bytes, data: bytes) -> tuple:
     two: the blocks a tokenize of that text gets (for tests and tools)."""
     cdef Cutter c
     cdef const uchar[::1] v = data
-    cut_init(&c, <const uchar*><const char*>seed, len(seed))
+    h_init(&c.h)
+    h_update(&c.h, <const uchar*><const char*>seed, len(seed))
+    c.fed = 0
+    c.nb = 0
+    c.count = 0
     if v.shape[0]:
         cut_feed(&c, &v[0], v.shape[0])
     cut_finish(&c)
@@ -1042,3 +1082,766 @@ def text_blocks(seed: bytes, data: bytes) -> tuple:
 def seed(kind: bytes, model: bytes) -> bytes:
     """The hash seed of a key kind and model (tb1 NUL kind NUL len(model) model)."""
     return _seed(kind, <const uchar*>model, len(model))
+
+
+# --- the job table -----------------------------------------------------------------------
+
+cdef class Job:
+    """One client request held by the broker, from receipt to reply (compiled: one is built per
+    request, and the dispatcher and the loop read its fields many times)."""
+
+    cdef public long long job_id
+    cdef public object envelope
+    cdef public bytes raw_id            # the id's MessagePack bytes, echoed as they came
+    cdef public object raw              # the request's bytes (a view of its frame when it came in an array)
+    cdef public str op
+    cdef public object route            # RouteKey | None
+    cdef public double received
+    cdef public double deadline
+    cdef public double queued           # when it last entered the queue
+    cdef public int attempts
+    cdef public object worker           # the worker holding it, while one does
+    cdef public bint answered
+    cdef public object model            # the served model it names (None: any worker's default will do)
+    cdef public bint catalog            # `model` is a catalog entry's name: only its holders may take it
+    cdef public bint off_loop           # a tokenize the worker encodes off its loop (set by the dispatcher)
+
+    def __init__(self, long long job_id, envelope, bytes raw_id, raw, str op, route, double received,
+                 double deadline, double queued, int attempts=0, worker=None, bint answered=False, model=None,
+                 bint catalog=False, bint off_loop=False):
+        self.job_id = job_id
+        self.envelope = envelope
+        self.raw_id = raw_id
+        self.raw = raw
+        self.op = op
+        self.route = route
+        self.received = received
+        self.deadline = deadline
+        self.queued = queued
+        self.attempts = attempts
+        self.worker = worker
+        self.answered = answered
+        self.model = model
+        self.catalog = catalog
+        self.off_loop = off_loop
+
+    def __repr__(self) -> str:
+        return f"Job({self.job_id}, op={self.op!r}, model={self.model!r}, worker={self.worker!r}, answered={self.answered})"
+
+
+cdef class JobTable:
+    """Every request held, from receipt to reply: the jobs by id, their payload bytes, how many each
+    client connection holds (`--max-pending-bytes`, `--max-client-pending`) and the deadline heap.
+    No socket, no clock. The loop admits a job with `admit` and releases it when it is answered or
+    dropped; where the job is (queued, at a worker) is the dispatcher's (broker/dispatch.py)."""
+
+    cdef public dict jobs
+    cdef public long long held_bytes
+    cdef public dict per_client          # jobs held per client connection (its identity)
+    cdef list _deadlines                 # (deadline, job id) heap, answered jobs' entries included
+    cdef long long _next_id
+
+    def __init__(self):
+        self.jobs = {}
+        self.held_bytes = 0
+        self.per_client = {}
+        self._deadlines = []
+        self._next_id = 1
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def __bool__(self) -> bool:
+        return len(self.jobs) > 0
+
+    def new_id(self) -> int:
+        cdef long long job_id = self._next_id
+        self._next_id += 1
+        return job_id
+
+    def admit(self, envelope, Peek peek, route, double now, double timeout_s, model, bint catalog) -> Job:
+        """A new job for an admitted request, held from now on (one call per request)."""
+        cdef Job job = Job.__new__(Job)
+        job.job_id = self._next_id
+        self._next_id += 1
+        job.envelope = envelope
+        job.raw_id = peek.raw_id
+        job.raw = peek.body
+        job.op = peek.op
+        job.route = route
+        job.received = now
+        job.deadline = now + timeout_s
+        job.queued = now
+        job.model = model
+        job.catalog = catalog
+        self.add(job)
+        return job
+
+    cpdef add(self, Job job):
+        self.jobs[job.job_id] = job
+        self.held_bytes += len(job.raw)
+        client = job.envelope[0]
+        self.per_client[client] = self.per_client.get(client, 0) + 1
+        heappush(self._deadlines, (job.deadline, job.job_id))
+
+    cpdef release(self, Job job):
+        """The job is no longer held (answered, or failed for good); a second release is a no-op."""
+        if self.jobs.pop(job.job_id, None) is not None:
+            self.held_bytes -= len(job.raw)
+            client = job.envelope[0]
+            left = self.per_client[client] - 1
+            if left:
+                self.per_client[client] = left
+            else:
+                del self.per_client[client]
+
+    def held_by(self, client: bytes) -> int:
+        return self.per_client.get(client, 0)
+
+    def nearest_deadline(self):
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def due(self, double now) -> list:
+        """The unanswered jobs whose deadline has passed, each once, earliest first."""
+        cdef list out = []
+        cdef list deadlines = self._deadlines
+        cdef Job job
+        while deadlines and deadlines[0][0] <= now:
+            _, job_id = heappop(deadlines)
+            found = self.jobs.get(job_id)
+            if found is not None and not (<Job>found).answered:
+                out.append(found)
+        if len(deadlines) > 2 * len(self.jobs) + 1024:  # entries of answered jobs: drop them
+            self._deadlines = [(job.deadline, job.job_id) for job in self.jobs.values() if not job.answered]
+            heapify(self._deadlines)
+        return out
+
+    def unanswered(self) -> list:
+        return [job for job in self.jobs.values() if not (<Job>job).answered]
+
+    def clear(self) -> None:
+        self.jobs.clear()
+        self.per_client.clear()
+        self.held_bytes = 0
+
+
+# --- the backend's batches (common/protocol.py: B_JOBS = [J, JOB * n, payloads]; W_RESULTS = [D, RESULT * n, replies]) ---
+
+cdef inline void _le(uchar* out, u64 v, int n) noexcept nogil:
+    cdef int i
+    for i in range(n):
+        out[i] = (v >> (8 * i)) & 0xFF
+
+
+cdef inline u64 _from_le(const uchar* p, int n) noexcept nogil:
+    cdef u64 v = 0
+    cdef int i
+    for i in range(n - 1, -1, -1):
+        v = (v << 8) | p[i]
+    return v
+
+
+def job_batch(list jobs, double now, Py_ssize_t start, Py_ssize_t max_jobs, Py_ssize_t max_bytes) -> tuple:
+    """The B_JOBS body for jobs[start:end], at most `max_jobs` jobs and `max_bytes` payload bytes past
+    its first: (end, header of JOB records, the payloads). Each job's budget is the time left of its
+    deadline in ms (at least 1, at most 2**31-1). A lone payload is its own frame (never copied)."""
+    cdef Py_ssize_t end = start, size = 0, n, i, length
+    cdef Job job
+    cdef double left
+    cdef long long budget
+    cdef bytearray header
+    cdef uchar* h
+    while end < len(jobs) and end - start < max_jobs:
+        length = len((<Job>jobs[end]).raw)
+        if end > start and size + length > max_bytes:
+            break
+        size += length
+        end += 1
+    n = end - start
+    header = bytearray(16 * n)
+    h = <uchar*>(<char*>header)
+    for i in range(n):
+        job = <Job>jobs[start + i]
+        left = (job.deadline - now) * 1000
+        budget = <long long>left if left < 2147483647.0 else 2147483647
+        if budget < 1:
+            budget = 1
+        _le(h + 16 * i, <u64>job.job_id, 8)
+        _le(h + 16 * i + 8, <u64>budget, 4)
+        _le(h + 16 * i + 12, <u64>len(job.raw), 4)
+    if n == 1:
+        return end, bytes(header), (<Job>jobs[start]).raw
+    return end, bytes(header), b"".join([(<Job>jobs[i]).raw for i in range(start, end)])
+
+
+def split_results(list body) -> list:
+    """The (job id, outcome, reply) of a W_RESULTS body, each reply a view of its frame (forwarded
+    without a copy); ValueError when the header and the replies disagree. An outcome byte past the
+    known ones reads "internal", so no peer can invent labels."""
+    from tokenbroker.common.protocol import OUTCOMES
+    cdef Py_buffer hb
+    cdef const uchar* p
+    cdef Py_ssize_t n, i, at = 0, size, total = 0
+    cdef list out = []
+    cdef Py_ssize_t known = len(OUTCOMES)
+    if len(body) != 2:
+        raise ValueError(f"a result batch must be a header and one payload frame, got {len(body)} frames")
+    header, blob = body
+    if not header or len(header) % 13:
+        raise ValueError(f"a result batch header of {len(header)} bytes is not a whole number of 13-byte records")
+    view = memoryview(blob)
+    PyObject_GetBuffer(header, &hb, PyBUF_SIMPLE)
+    try:
+        p = <const uchar*>hb.buf
+        n = hb.len // 13
+        for i in range(n):
+            total += <Py_ssize_t>_from_le(p + 13 * i + 9, 4)
+        if total != len(view):
+            raise ValueError(f"a result batch's records count {total} payload bytes, its frame has {len(view)}")
+        for i in range(n):
+            size = <Py_ssize_t>_from_le(p + 13 * i + 9, 4)
+            code = p[13 * i + 8]
+            out.append((_from_le(p + 13 * i, 8), OUTCOMES[code] if code < known else "internal", view[at:at + size]))
+            at += size
+    finally:
+        PyBuffer_Release(&hb)
+    return out
+
+
+# --- the router's policy for one pick (broker/router.py holds its design) ------------------
+
+cdef class Slots:
+    """What one worker holds: its load, as the router reads it (router.WorkerLoad). The dispatcher
+    (broker/dispatch.py) owns it; compiled so the router reads the counts as C fields."""
+
+    cdef public int capacity
+    cdef public dict jobs
+    cdef public long long bytes          # payload bytes of the jobs held (not counting off-loop ones)
+    cdef public int long_jobs            # long tokenize jobs held: encoded off the worker's loop, one at a time
+    cdef public bint draining            # said BYE: finishes what it holds, gets nothing new
+    cdef public bint blocked             # no room by payload bytes (or count): set when that changes
+
+    def __init__(self, int capacity, dict jobs=None, long long bytes=0, int long_jobs=0, bint draining=False,
+                 bint blocked=False):
+        self.capacity = capacity
+        self.jobs = {} if jobs is None else jobs
+        self.bytes = bytes
+        self.long_jobs = long_jobs
+        self.draining = draining
+        self.blocked = blocked
+
+    @property
+    def held(self) -> int:
+        return len(self.jobs)
+
+
+cdef inline Py_ssize_t _load_held(object load):
+    if type(load) is Slots:
+        return len((<Slots>load).jobs)
+    return load.held
+
+
+cdef inline bint _load_free(object load):
+    """Room for one more job: under capacity and not blocked."""
+    cdef Slots s
+    if type(load) is Slots:
+        s = <Slots>load
+        return len(s.jobs) < s.capacity and not s.blocked
+    return load.held < load.capacity and not load.blocked
+
+
+cdef class RouterWorker:
+    """One incarnation of a worker: a re-added id gets a new record, so old index entries stay dead."""
+
+    cdef public bytes wid
+    cdef public object load
+    cdef public u64 salt       # this id's rendezvous salt, hashed once
+    cdef public bint alive
+
+    def __init__(self, bytes wid, load, u64 salt, bint alive=True):
+        self.wid = wid
+        self.load = load
+        self.salt = salt
+        self.alive = alive
+
+
+cdef u64 _key_int(bytes key):
+    cdef const uchar* p = <const uchar*><const char*>key
+    if len(key) < 8:
+        from hashlib import sha256
+        return <u64>int.from_bytes(sha256(key).digest()[:8], "little")
+    return _from_le(p, 8)
+
+
+def salt_of(bytes wid) -> int:
+    """A worker id's rendezvous salt: the first 8 bytes (little end first) of SHA-256 of a tag and the id."""
+    from hashlib import sha256
+    return int.from_bytes(sha256(b"tb-rendezvous\x00" + wid).digest()[:8], "little")
+
+
+def mix(u64 x) -> int:
+    """SplitMix64's finalizer (the rendezvous weight of salt ^ key)."""
+    return _mix(x)
+
+
+cdef class Router:
+    """Prefix affinity with rendezvous fallback, under a bounded-load rule (broker/router.py)."""
+
+    cdef public double balance_factor
+    cdef public int balance_margin
+    cdef public Py_ssize_t index_max_entries
+    cdef public dict _workers
+    cdef public object _index
+    cdef long long n_picks, n_hits, n_rendezvous, n_spills, n_overflows, n_unkeyed, n_full
+
+    def __init__(self, *, double balance_factor=1.25, int balance_margin=2, Py_ssize_t index_max_entries=1 << 20):
+        from collections import OrderedDict
+        if balance_factor < 1.0:
+            raise ValueError(f"balance_factor must be >= 1.0, got {balance_factor}")
+        if balance_margin < 0:
+            raise ValueError(f"balance_margin must be >= 0, got {balance_margin}")
+        if index_max_entries < 1:
+            raise ValueError(f"index_max_entries must be >= 1, got {index_max_entries}")
+        self.balance_factor = balance_factor
+        self.balance_margin = balance_margin
+        self.index_max_entries = index_max_entries
+        self._workers = {}
+        self._index = OrderedDict()
+
+    # --- worker events
+
+    def add_worker(self, bytes wid, load) -> None:
+        """A worker is ready; `load` is where its owner counts what it holds. A known id takes the new load."""
+        if load.capacity < 1:
+            raise ValueError(f"worker capacity must be >= 1, got {load.capacity}")
+        known = self._workers.get(wid)
+        if known is not None:
+            (<RouterWorker>known).load = load
+            return
+        self._workers[wid] = RouterWorker(wid, load, salt_of(wid))
+
+    def remove_worker(self, bytes wid) -> None:
+        """The worker is gone (or takes nothing new): its load stops counting, its index entries too."""
+        w = self._workers.pop(wid, None)
+        if w is not None:
+            (<RouterWorker>w).alive = False
+
+    # --- the policy
+
+    def pick(self, key, *, bint overflow=True, allowed=None):
+        """A worker with a free slot for this request; None when all are full (broker/router.py)."""
+        cdef list free = []
+        cdef RouterWorker w, chosen = None
+        cdef Py_ssize_t best = -1, h
+        for v in self._workers.values():
+            w = <RouterWorker>v
+            if _load_free(w.load) and (allowed is None or w.wid in allowed):
+                free.append(w)
+        if not free:
+            self.n_full += 1
+            return None
+        if key is None:
+            for v in free:
+                w = <RouterWorker>v
+                h = _load_held(w.load)
+                if chosen is None or h < best or (h == best and w.wid < chosen.wid):
+                    chosen, best = w, h
+            self.n_unkeyed += 1
+        else:
+            chosen = self._choose(<RouteKey>key, free, overflow, allowed)
+            if chosen is None:
+                return None
+        self.n_picks += 1
+        return chosen.wid
+
+    def record(self, RouteKey key, bytes wid) -> None:
+        """`wid` has tokenized `key`'s input: its prefixes are in that worker's L1 now."""
+        w = self._workers.get(wid)
+        if w is not None:
+            self._record(key, <RouterWorker>w)
+
+    cdef Py_ssize_t _held_sum(self):
+        cdef Py_ssize_t total = 0
+        for v in self._workers.values():
+            total += _load_held((<RouterWorker>v).load)
+        return total
+
+    cpdef double bound(self, int extra=1):
+        """The most in-flight jobs a worker may reach when `extra` more jobs are placed."""
+        cdef Py_ssize_t n = len(self._workers)
+        cdef double mean, a, b
+        if n == 0:
+            return 0.0
+        mean = (self._held_sum() + extra) / <double>n
+        a = self.balance_factor * mean
+        b = mean + self.balance_margin
+        return a if a > b else b
+
+    def stats(self) -> dict:
+        """Counters since start and gauges, for metrics (broker/router.py)."""
+        return {"picks": self.n_picks, "affinity_hits": self.n_hits, "rendezvous": self.n_rendezvous,
+                "spills": self.n_spills, "overflows": self.n_overflows, "unkeyed": self.n_unkeyed, "full": self.n_full,
+                "workers": len(self._workers), "in_flight": self._held_sum(), "index_entries": len(self._index)}
+
+    cdef RouterWorker _choose(self, RouteKey key, list free, bint overflow, allowed):
+        found = self._lookup(key) if len(self._index) else None
+        cdef RouterWorker hit = <RouterWorker>found if found is not None else None
+        cdef RouterWorker home, w, best = None
+        cdef bint within
+        cdef Py_ssize_t h, bh = 0
+        cdef u64 k, wt, bw = 0
+        if allowed is not None and hit is not None and hit.wid not in allowed:
+            hit = None
+        if hit is not None:
+            home = hit
+        else:
+            home = <RouterWorker>self._rendezvous(key.key, self._workers.values() if allowed is None
+                                    else [v for v in self._workers.values() if (<RouterWorker>v).wid in allowed])
+        h = _load_held(home.load)
+        within = h + 1 <= self.bound(1)
+        if within and _load_free(home.load):
+            if hit is not None:
+                self.n_hits += 1
+            else:
+                self.n_rendezvous += 1
+            return home
+        if within and not overflow:
+            return None
+        # Spilled: over the bound, or merely full (an overflow). Least loaded, ties by rendezvous.
+        if not within:
+            self.n_spills += 1
+        else:
+            self.n_overflows += 1
+        k = _key_int(key.key)
+        for v in free:
+            w = <RouterWorker>v
+            h = _load_held(w.load)
+            wt = _mix(w.salt ^ k)
+            if best is None or h < bh or (h == bh and wt > bw):
+                best, bh, bw = w, h, wt
+        return best
+
+    cpdef object _lookup(self, RouteKey key):
+        """The live worker of the deepest indexed block, else of the key; drops stale entries met."""
+        cdef Py_ssize_t i
+        index = self._index
+        blocks = key.blocks
+        for i in range(len(blocks) - 1, -2, -1):
+            h = blocks[i] if i >= 0 else key.key
+            w = index.get(h)
+            if w is None:
+                continue
+            if (<RouterWorker>w).alive:
+                return w
+            del index[h]
+        return None
+
+    cdef _record(self, RouteKey key, RouterWorker w):
+        index = self._index
+        blocks = key.blocks
+        if not blocks or key.key != blocks[0]:
+            index[key.key] = w
+            index.move_to_end(key.key)
+        for h in blocks:
+            index[h] = w
+            index.move_to_end(h)
+        while len(index) > self.index_max_entries:
+            index.popitem(last=False)
+
+    cpdef object _rendezvous(self, bytes key, workers):
+        """Highest weight wins; weights are per (worker, key), so a leaving worker moves only its keys."""
+        cdef u64 k = _key_int(key), wt, bw = 0
+        cdef RouterWorker w, best = None
+        for v in workers:
+            w = <RouterWorker>v
+            wt = _mix(w.salt ^ k)
+            if best is None or wt > bw or (wt == bw and w.wid > best.wid):
+                best, bw = w, wt
+        return best
+
+
+# --- the dispatcher (broker/dispatch.py holds its design) ----------------------------------
+
+def _unplaced(model, *, catalog):
+    """With no placement (a dispatcher on its own): a catalog model has no holders, any other goes anywhere."""
+    return frozenset() if catalog else None
+
+
+cdef class Dispatcher:
+    """Which queued job goes to which worker, and when (broker/dispatch.py)."""
+
+    cdef public Router router
+    cdef public bint long_off_loop
+    cdef public object eligible
+    cdef public double spill_wait
+    cdef public long long worker_bytes
+    cdef public int lookahead
+    cdef public dict workers
+    cdef public object pending
+    cdef public long long waiting
+    cdef public dict demand
+    cdef long long _stale
+    cdef long long _free
+    cdef int passed_over_max
+
+    def __init__(self, Router router, *, double spill_wait, long long worker_bytes, int lookahead=64,
+                 eligible=_unplaced, bint long_off_loop=False, int passed_over_max=1024):
+        from collections import deque
+        self.router = router
+        self.long_off_loop = long_off_loop
+        self.eligible = eligible
+        self.spill_wait = spill_wait
+        self.worker_bytes = worker_bytes
+        self.lookahead = lookahead
+        self.passed_over_max = passed_over_max
+        self.workers = {}
+        self.pending = deque()
+        self.waiting = 0
+        self.demand = {}
+        self._stale = 0
+        self._free = 0
+
+    # --- workers
+
+    def add_worker(self, bytes wid, int capacity) -> None:
+        """A worker joined with `capacity` slots (which models it serves is placement's to say)."""
+        cdef Slots slots = Slots(capacity)
+        self.workers[wid] = slots
+        self.router.add_worker(wid, slots)
+        self._free += capacity
+
+    def drain_worker(self, bytes wid) -> None:
+        """Nothing new goes to it; what it holds finishes there."""
+        found = self.workers.get(wid)
+        cdef Slots slots
+        if found is not None and not (<Slots>found).draining:
+            slots = <Slots>found
+            slots.draining = True
+            self._free -= self._room(slots)
+            self.router.remove_worker(wid)
+
+    def remove_worker(self, bytes wid) -> list:
+        """The worker is gone: returns the jobs it held (oldest first), held nowhere now."""
+        found = self.workers.pop(wid, None)
+        cdef Slots slots
+        if found is None:
+            return []
+        slots = <Slots>found
+        if not slots.draining:
+            self._free -= self._room(slots)
+            self.router.remove_worker(wid)
+        for job in slots.jobs.values():
+            (<Job>job).worker = None
+        return list(slots.jobs.values())
+
+    def held(self, bytes wid) -> int:
+        """How many jobs the worker holds now."""
+        found = self.workers.get(wid)
+        return len((<Slots>found).jobs) if found is not None else 0
+
+    def full(self, bytes wid) -> bool:
+        """The worker takes no more jobs now (every slot used, or its byte limit reached, or draining)."""
+        found = self.workers.get(wid)
+        return found is None or (<Slots>found).draining or self._room(<Slots>found) <= 0
+
+    def holds_model(self, bytes wid, str model) -> bool:
+        """Whether the worker holds a job of `model` (it must keep the model until answered)."""
+        found = self.workers.get(wid)
+        if found is None:
+            return False
+        for job in (<Slots>found).jobs.values():
+            if (<Job>job).model == model:
+                return True
+        return False
+
+    # --- jobs
+
+    cpdef enqueue(self, Job job):
+        job.off_loop = self.long_off_loop and job.op == "tokenize" and len(job.raw) > self.worker_bytes
+        self.pending.append(job)
+        self.waiting += 1
+        if job.catalog:
+            self._demand(job.model, 1)
+
+    def requeue(self, Job job) -> None:
+        """A job whose worker died goes first; its queue time stays, so it may go anywhere at once."""
+        self.pending.appendleft(job)
+        self.waiting += 1
+        if job.catalog:
+            self._demand(job.model, 1)
+
+    def queued(self, str model) -> list:
+        """The unanswered queued jobs of a catalog model (to answer them when it fails or goes)."""
+        return [job for job in self.pending if (<Job>job).catalog and (<Job>job).model == model and not (<Job>job).answered]
+
+    cpdef object finish(self, bytes wid, long long job_id, bint served=False):
+        """`wid` answered `job_id`: the job, if that worker held it (else a stale or forged answer).
+        `served`: the worker tokenized its input (an ok reply), so the router's index learns where
+        its prefixes are; a rejected request teaches it nothing."""
+        found = self.workers.get(wid)
+        cdef Slots slots
+        cdef Job job
+        cdef long long before
+        if found is None:
+            return None
+        slots = <Slots>found
+        got = slots.jobs.get(job_id)
+        if got is None:
+            return None
+        job = <Job>got
+        before = self._room(slots)
+        del slots.jobs[job_id]
+        if job.off_loop:
+            slots.long_jobs -= 1
+        else:
+            slots.bytes -= len(job.raw)
+        job.worker = None
+        if served and job.route is not None:
+            self.router.record(job.route, wid)
+        if not slots.draining:
+            self._set_room(slots, before)
+        return job
+
+    def clear(self) -> None:
+        """Forget the queue (the broker has answered every job in it)."""
+        self.pending.clear()
+        self.waiting = 0
+        self.demand.clear()
+        self._stale = 0
+
+    def dequeued(self, Job job) -> None:
+        """A queued job was answered where it waits (its deadline passed, or its model failed or
+        was removed): it leaves the queue's count now. The caller has set `job.answered`."""
+        from collections import deque
+        self.waiting -= 1
+        if job.catalog:
+            self._demand(job.model, -1)
+        self._stale += 1
+        if self._stale > max(64, len(self.pending) // 2):
+            self.pending = deque([j for j in self.pending if not (<Job>j).answered])
+            self._stale = 0
+
+    # --- the policy
+
+    def assign(self, double now) -> list:
+        """Hand out what can go to a worker now; returns each worker's new jobs, in the order to send."""
+        cdef dict out
+        cdef list kept, passed
+        cdef set waits
+        cdef Job job
+        cdef Py_ssize_t i, n
+        cdef double spill_before
+        if self._free <= 0 or not self.waiting:
+            return []
+        out = {}
+        kept = []
+        pending = self.pending
+        # Keys whose preferred worker is full (within the bound) this turn: picks only add load and
+        # the bound only grows with it, so the same key would wait again; it is not asked twice.
+        waits = set()
+        n = min(self.lookahead, len(pending))
+        for i in range(n):
+            if self._free <= 0:
+                break
+            job = <Job>pending.popleft()
+            if job.answered:
+                self._stale -= 1
+                continue
+            allowed = self._allowed(job)
+            if allowed is None and job.route in waits:
+                kept.append(job)
+                continue
+            wid = None if allowed is not None and not allowed else self.router.pick(job.route, overflow=False, allowed=allowed)
+            if wid is None:
+                kept.append(job)
+                if allowed is None and job.route is not None:
+                    waits.add(job.route)
+            else:
+                self._hand(job, <bytes>wid, out)
+        pending.extendleft(reversed(kept))
+        spill_before = now - self.spill_wait
+        passed = []  # jobs whose model's workers are all full: the rest may go past them
+        while pending and self._free > 0 and len(passed) < self.passed_over_max:
+            job = <Job>pending[0]
+            if job.answered:
+                pending.popleft()
+                self._stale -= 1
+                continue
+            if job.route is not None and job.queued > spill_before:
+                break  # it may still wait for its preferred worker (and the queue is in arrival order)
+            allowed = self._allowed(job)
+            wid = None if allowed is not None and not allowed else self.router.pick(job.route, allowed=allowed)
+            if wid is None:
+                if allowed is None:
+                    break
+                passed.append(pending.popleft())
+                continue
+            pending.popleft()
+            self._hand(job, <bytes>wid, out)
+        pending.extendleft(reversed(passed))
+        return list(out.items())
+
+    def next_timer(self, double now):
+        """When a queued job may next spill to a free slot; None when only an answer can help."""
+        cdef Py_ssize_t i = 0
+        cdef Job job
+        if self._free <= 0 or not self.waiting:
+            return None
+        for j in self.pending:
+            if i >= self.passed_over_max + self.lookahead:
+                break
+            i += 1
+            job = <Job>j
+            if not job.answered and job.queued + self.spill_wait > now:
+                return job.queued + self.spill_wait
+        return None
+
+    # --- internals
+
+    cdef object _allowed(self, Job job):
+        """The workers that may take the job: those that serve its model (placement's answer: None,
+        any); a long tokenize, only those not encoding one already."""
+        allowed = self.eligible(job.model, catalog=job.catalog)
+        if not job.off_loop:
+            return allowed
+        free = frozenset([wid for wid, slots in self.workers.items() if not (<Slots>slots).long_jobs])
+        return free if allowed is None else allowed & free
+
+    cdef void _demand(self, model, long long change):
+        cdef long long left = self.demand.get(model, 0) + change
+        if left > 0:
+            self.demand[model] = left
+        else:
+            self.demand.pop(model, None)
+
+    cdef void _hand(self, Job job, bytes wid, dict out):
+        """Give the job to the worker (its slots hold it from now on)."""
+        cdef Slots slots = <Slots>self.workers[wid]
+        cdef long long before = self._room(slots)
+        slots.jobs[job.job_id] = job
+        if job.off_loop:
+            slots.long_jobs += 1
+        else:
+            slots.bytes += len(job.raw)
+        job.worker = wid
+        job.attempts += 1
+        self.waiting -= 1
+        if job.catalog:
+            self._demand(job.model, -1)
+        self._set_room(slots, before)
+        batch = out.get(wid)
+        if batch is None:
+            out[wid] = [job]
+        else:
+            (<list>batch).append(job)
+
+    cdef long long _room(self, Slots slots):
+        """Free slots of a worker: none once its payload bytes reach the limit (if it holds a job)."""
+        if slots.jobs and slots.bytes >= self.worker_bytes:
+            return 0
+        return slots.capacity - len(slots.jobs)
+
+    cdef void _set_room(self, Slots slots, long long before):
+        cdef long long room = self._room(slots)
+        self._free += room - before
+        slots.blocked = room <= 0
