@@ -1846,3 +1846,26 @@ cdef class Dispatcher:
         cdef long long room = self._room(slots)
         self._free += room - before
         slots.blocked = room <= 0
+
+
+# --- the request counters the exporter reads (broker/metrics.py: plain dicts, copied per scrape) ---
+
+def count_request(dict requests, dict latency, tuple bounds, str op, str outcome, double seconds) -> None:
+    """One request answered: its (op, outcome) count and its latency in the op's plain histogram
+    (per-bucket counts, not cumulative, then the sum). Called once per request, so compiled."""
+    cdef Py_ssize_t i = 0, n = len(bounds)
+    cdef list counts
+    key = (op, outcome)
+    requests[key] = requests.get(key, 0) + 1
+    found = latency.get(op)
+    if found is None:
+        counts = [0.0] * (n + 1)
+        latency[op] = counts
+    else:
+        counts = <list>found
+    if seconds < 0.0:
+        seconds = 0.0
+    while i < n and <double>bounds[i] < seconds:
+        i += 1
+    counts[i] = <double>counts[i] + 1.0
+    counts[n] = <double>counts[n] + seconds

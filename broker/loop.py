@@ -325,18 +325,21 @@ class Broker:
                 log.exception("could not handle a backend event %s", type(event).__name__)
 
     def _on_results(self, event: Results, now: float) -> None:
+        wid, finish, release, reply, done = event.wid, self.dispatcher.finish, self.jobs.release, self.frontend.reply, self.metrics.request_done
         for job_id, outcome, payload in event.results:
-            job = self.dispatcher.finish(event.wid, job_id, served=outcome == "ok")
+            job = finish(wid, job_id, outcome == "ok")
             if job is None:
                 continue  # a late answer for a job already retried elsewhere, or not this worker's
-            self._release(job)
+            release(job)
             if job.answered:
                 continue
             if outcome == SKIPPED or not payload:  # the worker saw the budget run out a moment before the broker
                 self._fail(job, self._timeout(job), now)
-            else:
-                self._answer(job, payload, outcome, now)
-        self._gone_if_idle(event.wid, now)
+            else:  # _answer, inlined: this runs once per request
+                job.answered = True
+                reply(job.envelope, payload)
+                done(job.op, outcome, now - job.received)
+        self._gone_if_idle(wid, now)
 
     def _gone_if_idle(self, wid: bytes, now: float) -> None:
         state = self.backend.workers.get(wid)
