@@ -23,6 +23,7 @@ import zmq
 
 from tokenbroker.common.protocol import (
     B_HEARTBEAT,
+    B_JOBS,
     B_LOAD,
     B_RESET,
     B_UNLOAD,
@@ -38,9 +39,9 @@ from tokenbroker.common.protocol import (
     Loaded,
     LoadSpec,
     Ready,
-    pack_jobs,
-    unpack_results,
 )
+
+from ._core import Job, job_batch, split_results
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ class Backend:
             return []
         if kind == W_RESULTS and worker is not None:  # (None: answered B_RESET above)
             try:
-                return [Results(wid, unpack_results(body))]
+                return [Results(wid, split_results(body))]
             except ValueError as e:
                 return self._drop("results", "worker %s sent a malformed RESULTS: %s", worker.name, e)
         if kind == W_HEARTBEAT and worker is not None:
@@ -273,18 +274,15 @@ class Backend:
     def send_unload(self, wid: bytes, name: str) -> None:
         self._send_frames([wid, B_UNLOAD, name.encode()])
 
-    def send_jobs(self, wid: bytes, jobs: "list[tuple[int, int, bytes | memoryview]]") -> None:
-        """Send (job id, budget ms, payload) to `wid`, at most MAX_BATCH_JOBS and BATCH_BYTES a message."""
+    def send_jobs(self, wid: bytes, jobs: list[Job], now: float) -> None:
+        """Send jobs to `wid`, at most MAX_BATCH_JOBS and BATCH_BYTES a message; each job's budget is
+        what is left of its deadline at `now` (the records built in the core, broker/_core.pyx)."""
         start = 0
         while start < len(jobs):
-            end, size = start, 0
-            while end < len(jobs) and end - start < MAX_BATCH_JOBS and (end == start or size + len(jobs[end][2]) <= BATCH_BYTES):
-                size += len(jobs[end][2])
-                end += 1
+            start, header, blob = job_batch(jobs, now, start, MAX_BATCH_JOBS, BATCH_BYTES)
             # copy=False: pyzmq copies a frame under zmq.COPY_THRESHOLD (64 KiB) into the message and
             # hands a larger one to ZeroMQ as it is (a payload, or a view of an array frame) with no copy.
-            self._send_frames([wid, *pack_jobs(jobs[start:end])], copy=False, block=True)
-            start = end
+            self._send_frames([wid, B_JOBS, header, blob], copy=False, block=True)
 
     def forget(self, wid: bytes) -> WorkerState | None:
         return self.workers.pop(wid, None)

@@ -2,9 +2,10 @@
 
 The broker reads only what it routes by: the common fields (`id`, `op`, `model`, `deadline_ms`,
 `affinity`, `tokens_format`) and where the op's input lies in the payload, so a routing key can
-hash its first bytes. Values are walked over in C (`Unpacker.skip`), never decoded, so a 32 MiB
-text costs the loop a copy, not a decode; the worker validates the rest and answers
-`bad_request` itself. The raw payload goes to the worker untouched.
+hash its first bytes. The compiled core (broker/_core.pyx: `peek_request`, `peek_array`) walks
+the frame in place, jumping over every other value by its length, so a 32 MiB text costs the loop
+neither a copy nor a decode; the worker validates the rest and answers `bad_request` itself. The
+raw payload goes to the worker untouched.
 
 Several requests in one frame (contract 1.2): a frame that is an array of maps is that many
 requests, peeked in one pass over the frame; each element's bytes go to its worker as a view of
@@ -16,231 +17,21 @@ them. A connection that never sent an array gets each reply alone, as in 1.1.
 
 from __future__ import annotations
 
-import io
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Container, cast
 
 import msgpack
 import zmq
 
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import NIL, Envelope, common_fields, error_reply, id_problem, type_name
+from tokenbroker.common.protocol import NIL, Envelope, error_reply
 
-from .oversized import id_in_place, value_header
+from ._core import Peek, peek_array, peek_request
+from .oversized import id_in_place
 
-# Fields whose value a routing key reads (as raw MessagePack bytes), by op.
-INPUT_FIELDS = frozenset({"text", "messages", "tools", "chat_template_kwargs", "body"})
-_HEADER_FIELDS = frozenset({"op", "model", "deadline_ms", "affinity", "tokens_format"})
+__all__ = ["Frontend", "Incoming", "Peek", "Peer", "peek_array", "peek_request", "split_envelope"]
 
-
-@dataclass(slots=True)
-class Peek:
-    """A request as the broker sees it: the common fields, checked, and where its inputs lie.
-
-    `raw` is the frame it came in and `spans` are offsets into it; `body` is the request's own
-    bytes, what the worker gets: the frame itself for a lone map, a view of it for an element of
-    an array (no copy until ZeroMQ takes it).
-    """
-
-    raw: bytes | memoryview  # a view of ZeroMQ's buffer for a large payload peeked in place
-    raw_id: bytes  # the id's MessagePack bytes as they came, echoed in the reply
-    op: str
-    model: str | None = None
-    deadline_ms: int | None = None
-    affinity: str | None = None
-    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # input field -> (start, end) in raw
-    body: "bytes | memoryview" = b""
-
-    def value(self, name: str) -> bytes | memoryview | None:
-        """The raw MessagePack bytes of an input field, or None when absent."""
-        span = self.spans.get(name)
-        return None if span is None else self.raw[span[0]:span[1]]
-
-
-def peek_request(raw: bytes | memoryview) -> Peek:
-    """Check the common fields of a payload; raise ProtocolError (with the id to echo) otherwise.
-    A large payload comes as a view of ZeroMQ's buffer (`Frontend.receive`): peeked in place when
-    it can be, else copied once and read as any other.
-
-    >>> p = peek_request(msgpack.packb({"op": "tokenize", "text": "hi", "id": 5}))
-    >>> p.op, p.raw_id, p.value("text")
-    ('tokenize', b'\\x05', b'\\xa2hi')
-    """
-    if type(raw) is memoryview:
-        peek = peek_in_place(raw)
-        if peek is not None:
-            return peek
-        raw = raw.tobytes()
-    unpacker = _unpacker(raw)
-    if not raw or raw[0] not in _MAPS:
-        raise ProtocolError("bad_request", f"payload must be a map, got {_first_type(raw)}", raw_id=NIL)
-    peek = _peek_map(unpacker, raw, 0, 0)
-    if unpacker.tell() != len(raw):
-        raise ProtocolError("bad_request", "payload holds more than one MessagePack value: send one map", raw_id=peek.raw_id)
-    peek.body = raw
-    return peek
-
-
-LARGE_PAYLOAD = 1024 * 1024  # a payload at least this long is received as a view and peeked in place
-IN_PLACE_OPS = frozenset({"tokenize", "detokenize", "detokenize_stream"})  # routed by a str's head, or not by content
-
-
-def peek_in_place(view: memoryview) -> Peek | None:
-    """The Peek of a large map payload read over ZeroMQ's buffer, or None where `peek_request`
-    must read a copy of it: anything to answer with an error, a top-level value that is a list or
-    a map (walking one in Python costs more than the copy), or an op whose routing reads more than
-    a str's head. Why: a 30 MB `text` was copied twice on the broker's one thread (the frame into
-    bytes, the bytes into an Unpacker's buffer), ~70 ms each under load, while every other client
-    waited. Here only the keys, the id and the header fields are copied; every other value is
-    jumped over by the length in its header, so the cost does not grow with the payload.
-
-    >>> p = peek_in_place(memoryview(msgpack.packb({"id": "a", "op": "tokenize", "text": "x" * 99})))
-    >>> p.op, p.raw_id, bytes(p.value("text"))[:3]
-    ('tokenize', b'\\xa1a', b'\\xd9cx')
-    >>> peek_in_place(memoryview(msgpack.packb({"op": "tokenize", "text": ["x"]}))) is None  # a list: copied
-    True
-    """
-    try:
-        if view[0] not in _MAPS:
-            return None
-        at, values = value_header(view, 0)
-        raw_id = NIL
-        fields: dict[str, object] = {}
-        spans: dict[str, tuple[int, int]] = {}
-        for _ in range(values // 2):
-            if not (0xA0 <= view[at] <= 0xBF or view[at] in (0xD9, 0xDA, 0xDB)):
-                return None  # a key that is not a str: the copying path names it
-            key_end, _ = value_header(view, at)
-            key = msgpack.unpackb(view[at:key_end], raw=False)
-            value_end, inner = value_header(view, key_end)
-            if inner or value_end > len(view):
-                return None
-            if key == "id":
-                raw_id = view[key_end:value_end].tobytes()
-                if id_problem(raw_id) is not None:
-                    return None
-            elif key in _HEADER_FIELDS:
-                fields[key] = msgpack.unpackb(view[key_end:value_end], raw=False)
-            elif key in INPUT_FIELDS:
-                spans[key] = (key_end, value_end)
-            at = value_end
-        if at != len(view):
-            return None
-        common = common_fields(fields)
-    except Exception:  # truncated, not MessagePack, not UTF-8, a field wanting: the copying path answers it
-        return None
-    if common.op not in IN_PLACE_OPS:
-        return None
-    peek = Peek(view, raw_id, common.op, common.model, common.deadline_ms, common.affinity, spans)
-    peek.body = view
-    return peek
-
-
-def peek_array(raw: bytes) -> list[Peek | ProtocolError]:
-    """The requests of a frame that is an array (contract 1.2, "Several requests in one frame"), in
-    one pass over the frame: each element a Peek (its `body` a view of the frame) or the
-    ProtocolError that answers it. Raises ProtocolError (id nil) when the frame itself cannot be read: then nothing in
-    it is served and one reply answers it, as for any unreadable payload. So does an array with no
-    map in it: that is not an array of requests but a payload of the wrong type, answered as 1.1
-    answers one (a 1.1 client that sends a list gets its one `bad_request`).
-
-    >>> [p.op if isinstance(p, Peek) else p.code for p in peek_array(msgpack.packb([{"op": "ping"}, 3]))]
-    ['ping', 'bad_request']
-    """
-    out: list[Peek | ProtocolError] = []
-    view = memoryview(raw)
-    unpacker = _unpacker(raw)
-    base = 0  # where `unpacker` started reading: its tell() counts from here
-    try:
-        count = unpacker.read_array_header()
-    except Exception as e:
-        raise ProtocolError("bad_request", f"payload is not valid MessagePack ({len(raw)} bytes{_starting(raw)}): {e}",
-                            raw_id=NIL) from None
-    maps = 0
-    for i in range(count):
-        start = base + unpacker.tell()
-        if start >= len(raw):
-            raise ProtocolError("bad_request", f"payload is truncated: the array says {count} requests, "
-                                f"the frame holds {i}", raw_id=NIL)
-        try:
-            if raw[start] not in _MAPS:
-                raise ProtocolError("bad_request", f"request [{i}] of the array must be a map, "
-                                    f"got {_first_type(raw[start:start + 9])}", raw_id=NIL)
-            maps += 1
-            peek = _peek_map(unpacker, raw, base, start)
-            peek.body = view[start:base + unpacker.tell()]
-            out.append(peek)
-        except ProtocolError as e:  # this element only: find where it ends (its bytes are skipped, never decoded)
-            out.append(e)
-            base, unpacker = _resume_after(raw, start)
-    if base + unpacker.tell() != len(raw):
-        raise ProtocolError("bad_request", "payload holds more than one MessagePack value: send one array", raw_id=NIL)
-    if maps == 0 and out:
-        raise ProtocolError("bad_request", "payload must be a map (or an array of request maps), got list", raw_id=NIL)
-    return out
-
-
-def _unpacker(raw: bytes) -> msgpack.Unpacker:
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(raw), 1))
-    unpacker.feed(raw)
-    return unpacker
-
-
-def _resume_after(raw: bytes, start: int) -> tuple[int, msgpack.Unpacker]:
-    """An unpacker just past the value at `start`, and its base; ProtocolError when the frame is broken there."""
-    f = io.BytesIO(raw)
-    f.seek(start)
-    size = max(len(raw), 1)
-    walker = msgpack.Unpacker(f, raw=False, strict_map_key=False, read_size=min(64 * 1024, size), max_buffer_size=size)
-    try:
-        walker.skip()
-    except Exception as e:
-        raise ProtocolError("bad_request", f"payload is not valid MessagePack from byte {start}: "
-                            f"{str(e) or type(e).__name__}", raw_id=NIL) from None
-    end = start + walker.tell()
-    f.seek(end)
-    return end, msgpack.Unpacker(f, raw=False, strict_map_key=False, read_size=min(64 * 1024, size), max_buffer_size=size)
-
-
-def _peek_map(unpacker: msgpack.Unpacker, raw: bytes, base: int, start: int) -> Peek:
-    """Read the map at the unpacker's position (`start` in raw): the common fields checked (one
-    shared check with the worker, common/protocol.py), the inputs' spans noted, the rest skipped."""
-    raw_id = NIL
-    fields: dict[str, object] = {}
-    spans: dict[str, tuple[int, int]] = {}
-    try:
-        size = unpacker.read_map_header()
-        for _ in range(size):
-            key = unpacker.unpack()
-            if not isinstance(key, str):
-                raise ProtocolError("bad_request", f"payload map keys must be str, got {type_name(key)}", raw_id=raw_id)
-            at = base + unpacker.tell()
-            if key == "id":
-                unpacker.skip()
-                raw_id = raw[at:base + unpacker.tell()]
-                why = id_problem(raw_id)
-                if why is not None:
-                    raw_id = NIL
-                    raise ProtocolError("bad_request", why, raw_id=NIL)
-            elif key in _HEADER_FIELDS:
-                fields[key] = unpacker.unpack()
-            else:
-                unpacker.skip()
-                if key in INPUT_FIELDS:
-                    spans[key] = (at, base + unpacker.tell())
-        common = common_fields(fields)
-    except ProtocolError as e:  # raised above (its id set), or by common_fields (the id read so far)
-        if e.raw_id is None:
-            e.raw_id = raw_id
-        raise
-    except UnicodeDecodeError as e:
-        raise ProtocolError("bad_request", f"payload holds a str that is not valid UTF-8: {e.reason}",
-                            raw_id=raw_id) from None
-    except Exception as e:  # truncated, not MessagePack, nested too deep, ...
-        detail = str(e) or type(e).__name__
-        raise ProtocolError("bad_request", f"payload is not valid MessagePack ({len(raw) - start} bytes"
-                            f"{_starting(raw[start:start + 1])}): {detail}", raw_id=raw_id) from None
-    return Peek(raw, raw_id, common.op, common.model, common.deadline_ms, common.affinity, spans)
+LARGE_PAYLOAD = 1024 * 1024  # a payload at least this long is received as a view of ZeroMQ's buffer, never copied
 
 
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -250,31 +41,7 @@ _PACKER = msgpack.Packer()
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _raw_send: Callable[..., Any] = zmq.backend.Socket.send  # the Cython method under pyzmq's Python `Socket.send`
 _COPY_THRESHOLD = zmq.COPY_THRESHOLD
-_MAPS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 _ARRAYS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
-
-
-def _first_type(raw: bytes) -> str:
-    """What the first MessagePack value is, from its first byte (nothing decoded)."""
-    if not raw:
-        return "nothing (empty payload)"
-    b = raw[0]
-    if b <= 0x7F or 0xE0 <= b or b in (0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3):
-        return "int"
-    if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
-        return "list"
-    if 0xA0 <= b <= 0xBF or b in (0xD9, 0xDA, 0xDB):
-        return "str"
-    names = {0xC0: "nil", 0xC2: "bool", 0xC3: "bool", 0xC4: "bin", 0xC5: "bin", 0xC6: "bin", 0xCA: "float", 0xCB: "float"}
-    if b in names:
-        return names[b]
-    if b in (0xC7, 0xC8, 0xC9) or 0xD4 <= b <= 0xD8:
-        return "ext"
-    return f"bytes that are not MessagePack (starting 0x{raw[:1].hex()})"
-
-
-def _starting(raw: bytes) -> str:
-    return f", starting 0x{raw[:1].hex()}" if raw else ", empty"
 
 
 def split_envelope(frames: list[bytes]) -> tuple[Envelope, bytes | None]:
@@ -367,14 +134,14 @@ class Frontend:
                 f"this broker takes at most {self.max_request_bytes} (--max-request-bytes)"))
             return [None]
         if raw and raw[0] in _ARRAYS:
-            return self._receive_array(envelope, raw.tobytes() if type(raw) is memoryview else raw, peer)
+            return self._receive_array(envelope, raw, peer)
         try:
             return [Incoming(envelope, peek_request(raw), peer)]
         except ProtocolError as e:
             self.fail(envelope, NIL, e)
             return [None]
 
-    def _receive_array(self, envelope: Envelope, raw: bytes, peer: "Peer | None") -> list[Incoming | None]:
+    def _receive_array(self, envelope: Envelope, raw: "bytes | memoryview", peer: "Peer | None") -> list[Incoming | None]:
         try:
             peeks = peek_array(raw)
         except ProtocolError as e:

@@ -23,7 +23,7 @@ import zmq
 
 from tokenbroker import __version__
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import ADMIN_OPS, MAX_DEADLINE_MS, SKIPPED, W_BYE, ok_reply, req, unpack
+from tokenbroker.common.protocol import ADMIN_OPS, SKIPPED, W_BYE, ok_reply, req, unpack
 
 from .affinity import route_key
 from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
@@ -94,6 +94,7 @@ class Broker:
         self.replan = True  # placement has something new to look at
         self.next_plan = 0.0
         self.jobs = JobTable()  # every job held, queued or at a worker, until answered
+        self.affinity = config.routing == "affinity"
         self.stopping_since: float | None = None
         self.next_publish = 0.0
         lim = config.models.limits
@@ -234,15 +235,13 @@ class Broker:
             self.metrics.request_done(peek.op, "unknown_model", 0.0)
             return
         timeout_ms = peek.deadline_ms or self.config.request_timeout_ms
-        route = route_key(peek) if self.config.routing == "affinity" else None
-        job = Job(self.jobs.new_id(), envelope, peek.raw_id, body, peek.op, route,
-                  received=now, deadline=now + timeout_ms / 1000, queued=now,
-                  model=entry.name if entry is not None else (peek.model if peek.op in MODEL_OPS else None),
-                  catalog=entry is not None)
+        route = route_key(peek) if self.affinity else None
+        job = self.jobs.admit(envelope, peek, route, now, timeout_ms / 1000,
+                              entry.name if entry is not None else (peek.model if peek.op in MODEL_OPS else None),
+                              entry is not None)
         if entry is not None:
             self.metrics.model_request(entry.name)
             self.replan |= not self.placement.holders(entry.name)
-        self.jobs.add(job)
         self.dispatcher.enqueue(job)
 
     def _entry_of(self, op: str, name: str | None) -> Entry | None:
@@ -295,9 +294,8 @@ class Broker:
                 for job in batch:
                     if job.catalog:
                         self.placement.used(wid, job.model, now)  # type: ignore[arg-type]
-            jobs = [(job.job_id, min(MAX_DEADLINE_MS, max(1, int((job.deadline - now) * 1000))), job.raw) for job in batch]
             try:
-                self.backend.send_jobs(wid, jobs)
+                self.backend.send_jobs(wid, batch, now)
             except Exception:  # a bug must cost these requests, never the loop
                 log.exception("could not send %d jobs to a worker", len(batch))
                 for job in batch:
@@ -327,18 +325,21 @@ class Broker:
                 log.exception("could not handle a backend event %s", type(event).__name__)
 
     def _on_results(self, event: Results, now: float) -> None:
+        wid, finish, release, reply, done = event.wid, self.dispatcher.finish, self.jobs.release, self.frontend.reply, self.metrics.request_done
         for job_id, outcome, payload in event.results:
-            job = self.dispatcher.finish(event.wid, job_id, served=outcome == "ok")
+            job = finish(wid, job_id, outcome == "ok")
             if job is None:
                 continue  # a late answer for a job already retried elsewhere, or not this worker's
-            self._release(job)
+            release(job)
             if job.answered:
                 continue
             if outcome == SKIPPED or not payload:  # the worker saw the budget run out a moment before the broker
                 self._fail(job, self._timeout(job), now)
-            else:
-                self._answer(job, payload, outcome, now)
-        self._gone_if_idle(event.wid, now)
+            else:  # _answer, inlined: this runs once per request
+                job.answered = True
+                reply(job.envelope, payload)
+                done(job.op, outcome, now - job.received)
+        self._gone_if_idle(wid, now)
 
     def _gone_if_idle(self, wid: bytes, now: float) -> None:
         state = self.backend.workers.get(wid)

@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from tokenbroker.common.process import proportional_bytes, resident_bytes
 
+from ._core import count_request
 from .catalog import backend_counts
 from .snapshot import ModelView, PoolSnapshot, WorkerView
 
@@ -354,9 +355,7 @@ class PoolMetrics:
 
     def request_done(self, op: str, outcome: str, seconds: float) -> None:
         """One request answered. `op` and `outcome` come from closed sets (the ops, the error codes)."""
-        key = (op, outcome)
-        self._requests[key] = self._requests.get(key, 0) + 1
-        _observe(self._latency, op, LATENCY_BUCKETS, seconds)
+        count_request(self._requests, self._latency, LATENCY_BUCKETS, op, outcome, seconds)
 
     def request_families(self) -> Iterator[Metric]:
         """Requests and their latency, from the plain counts (called on the HTTP thread)."""

@@ -203,3 +203,45 @@ cdef inline Py_ssize_t skip(const unsigned char* p, Py_ssize_t end, Py_ssize_t p
             left[depth] = h.length * 2 if h.kind == K_MAP else h.length
         if depth == 0 and left[0] == 0:
             return pos
+
+
+cdef inline bint utf8_valid(const unsigned char* s, Py_ssize_t n) noexcept nogil:
+    """Whether n bytes are strict UTF-8 as Python decodes it (no overlongs, no surrogates, nothing
+    past U+10FFFF): a str value's bytes must be, and a reader that does not build the str checks
+    here. ASCII runs go eight bytes at a time."""
+    cdef Py_ssize_t i = 0
+    cdef unsigned char c, c1
+    cdef unsigned long long w
+    while i < n:
+        if i + 8 <= n:
+            memcpy(&w, s + i, 8)
+            if (w & 0x8080808080808080ULL) == 0:
+                i += 8
+                continue
+        c = s[i]
+        if c < 0x80:
+            i += 1
+        elif c < 0xC2:
+            return False
+        elif c < 0xE0:
+            if i + 1 >= n or (s[i + 1] & 0xC0) != 0x80:
+                return False
+            i += 2
+        elif c < 0xF0:
+            if i + 2 >= n or (s[i + 1] & 0xC0) != 0x80 or (s[i + 2] & 0xC0) != 0x80:
+                return False
+            c1 = s[i + 1]
+            if (c == 0xE0 and c1 < 0xA0) or (c == 0xED and c1 >= 0xA0):
+                return False
+            i += 3
+        elif c < 0xF5:
+            if (i + 3 >= n or (s[i + 1] & 0xC0) != 0x80 or (s[i + 2] & 0xC0) != 0x80
+                    or (s[i + 3] & 0xC0) != 0x80):
+                return False
+            c1 = s[i + 1]
+            if (c == 0xF0 and c1 < 0x90) or (c == 0xF4 and c1 >= 0x90):
+                return False
+            i += 4
+        else:
+            return False
+    return True

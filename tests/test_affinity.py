@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbroker.broker import affinity
+from tokenbroker.broker import _core, affinity
 from tokenbroker.broker.affinity import BOUNDARIES, MAX_BLOCKS, MAX_HASHED_BYTES, RouteKey, route_key
 from tokenbroker.broker.frontend import Peek, peek_request
 from tokenbroker.common.protocol import pack
@@ -165,61 +164,29 @@ def test_count_bodies_follow_their_conversation() -> None:
     assert as_bin is not None and as_bin.key == strs[0].key  # type: ignore[union-attr]
 
 
-class CountingHash:
-    """Wraps hashlib.sha256 and counts what goes through it."""
-
-    def __init__(self) -> None:
-        self.objects = 0
-        self.updates = 0
-        self.bytes = 0
-
-    def new(self, data: bytes = b"") -> Any:
-        self.objects += 1
-        self.bytes += len(data)
-        return _Counted(hashlib.sha256(data), self)
-
-
-class _Counted:
-    def __init__(self, h: Any, counter: CountingHash) -> None:
-        self.h, self.counter = h, counter
-
-    def update(self, data: Any) -> None:
-        self.counter.updates += 1
-        self.counter.bytes += len(data)
-        self.h.update(data)
-
-    def copy(self) -> "_Counted":
-        return _Counted(self.h.copy(), self.counter)
-
-    def digest(self) -> bytes:
-        return self.h.digest()
+def test_blocks_are_the_hash_of_the_seed_and_each_prefix_and_nothing_past_the_cap() -> None:
+    """Block i is the core's hash of seed + the input's first BOUNDARIES[i] bytes (the last: the
+    whole input when it ends between two); bytes past MAX_HASHED_BYTES change nothing."""
+    seed = affinity.seed(b"text", b"m")
+    for size in (10, 5000, 300_000):
+        text = ("abcdefghij" * (size // 10 + 1))[:size]
+        key = tokenize_key(text, "m")
+        data = text.encode()
+        want = [_core.digest(seed + data[:end]) for end in BOUNDARIES if end <= len(data)]
+        if len(data) not in BOUNDARIES:
+            want.append(_core.digest(seed + data))
+        assert list(key.blocks) == want and key.key == want[0]
+    huge = "x" * (MAX_HASHED_BYTES + 10)
+    assert tokenize_key(huge).blocks == tokenize_key(huge[:MAX_HASHED_BYTES] + "tail not hashed").blocks
+    assert len(tokenize_key(huge).blocks) == MAX_BLOCKS
 
 
-def test_module_hashes_with_hashlib() -> None:
-    assert affinity._new_hash is hashlib.sha256
-
-
-@pytest.mark.parametrize("size", [10, 5000, 300_000, 4 * 1024 * 1024])
-def test_text_is_hashed_once_per_byte_in_one_update_per_block(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
-    counter = CountingHash()
-    monkeypatch.setattr(affinity, "_new_hash", counter.new)
-    text = ("abcdefghij" * (size // 10 + 1))[:size]
-    key = tokenize_key(text)
-    hashed = min(size, MAX_HASHED_BYTES)
-    seed = len(affinity._seed(b"text", b""))
-    assert counter.bytes == hashed + seed  # every byte once, beyond the cap none
-    assert counter.updates == len(key.blocks) <= MAX_BLOCKS + 1  # no per-character work
-    assert counter.objects == 1
-
-
-def test_chat_is_hashed_once_per_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    counter = CountingHash()
-    monkeypatch.setattr(affinity, "_new_hash", counter.new)
+def test_chat_is_one_block_per_message_up_to_the_cap() -> None:
     messages = chat_turns("dave", 20)[-1]
     key = chat_key(messages)
-    assert len(key.blocks) == len(messages)
-    assert counter.objects == 1
-    assert counter.updates == 2 * (len(messages) + 2)  # length and bytes per message, tools and kwargs
+    assert len(key.blocks) == len(messages) and len(set(key.blocks)) == len(messages)
+    many = [{"role": "user", "content": str(i)} for i in range(MAX_BLOCKS + 40)]
+    assert len(chat_key(many).blocks) == MAX_BLOCKS
 
 
 json_values = st.recursive(
@@ -245,7 +212,7 @@ def test_any_extension_keeps_the_full_blocks_of_its_prefix(prefix: str, suffix: 
     assert tokenize_key(prefix + suffix).blocks[:shared] == tokenize_key(prefix).blocks[:shared]
 
 
-# --- large payloads, peeked in place over ZeroMQ's buffer (broker/frontend.py peek_in_place) -------
+# --- large payloads, read in place over ZeroMQ's buffer (Frontend.receive hands a view) -------
 
 
 @pytest.mark.parametrize("body", [
@@ -254,43 +221,35 @@ def test_any_extension_keeps_the_full_blocks_of_its_prefix(prefix: str, suffix: 
     {"op": "tokenize", "text": "x" * 2_000_000, "affinity": "conv-1"},
     {"op": "detokenize", "ids": b"\x01\x00\x00\x00" * 300_000, "id": b"\x00bin"},
     {"op": "tokenize", "text": "a" * 1_100_000, "id": None, "unknown_field": 5},
+    {"op": "tokenize", "text": ["a" * 600_000, "b" * 600_000]},
+    {"op": "chat", "messages": [{"role": "user", "content": "x" * 1_200_000}]},
+    {"op": "count", "body": "y" * 1_200_000},
 ])
-def test_a_large_payload_peeked_in_place_equals_its_copy_and_routes_alike(body: dict[str, Any]) -> None:
-    from tokenbroker.broker.frontend import LARGE_PAYLOAD, peek_in_place
+def test_a_large_payload_read_in_place_equals_its_copy_and_routes_alike(body: dict[str, Any]) -> None:
+    from tokenbroker.broker.frontend import LARGE_PAYLOAD
 
     raw = pack(body)
     assert len(raw) >= LARGE_PAYLOAD
     view = memoryview(raw)
-    in_place = peek_in_place(view)
-    assert in_place is not None
+    in_place = peek_request(view)
     copied = peek_request(raw)
     assert (in_place.op, in_place.raw_id, in_place.model, in_place.deadline_ms, in_place.affinity, in_place.spans) == \
            (copied.op, copied.raw_id, copied.model, copied.deadline_ms, copied.affinity, copied.spans)
-    assert in_place.body.obj is raw  # the frame itself goes on to the worker, not a copy
+    assert in_place.body is view  # the frame itself goes on to the worker, not a copy
     assert route_key(in_place) == route_key(copied)
 
 
 @pytest.mark.parametrize("body", [
-    {"op": "tokenize", "text": ["a" * 600_000, "b" * 600_000]},  # a list: walked over a copy, in C
-    {"op": "chat", "messages": [{"role": "user", "content": "x" * 1_200_000}]},  # chat: routing reads more
-    {"op": "count", "body": "y" * 1_200_000},
     {"op": "tokenize", "text": "z" * 1_200_000, "op2": 1, 3: "int key"},  # an error to name
-    {"op": "frobnicate", "text": "z" * 1_200_000, "id": 1},  # unknown op: answered by the copying path
+    {"op": "frobnicate", "text": "z" * 1_200_000, "id": 1},  # unknown op
 ])
-def test_a_large_payload_the_in_place_peek_leaves_is_read_from_a_copy_as_before(body: dict[Any, Any]) -> None:
-    from tokenbroker.broker.frontend import peek_in_place
+def test_a_large_payload_in_error_is_answered_alike_in_place_and_copied(body: dict[Any, Any]) -> None:
     from tokenbroker.common.errors import ProtocolError
 
     raw = pack(body)
-    assert peek_in_place(memoryview(raw)) is None
-    try:
-        want: Any = peek_request(raw)
-        want = (want.op, want.raw_id, want.spans, route_key(want))
-    except ProtocolError as e:
-        want = (e.code, e.message, e.raw_id)
-    try:
-        got: Any = peek_request(memoryview(raw))  # as Frontend.receive hands it over
-        got = (got.op, got.raw_id, got.spans, route_key(got))
-    except ProtocolError as e:
-        got = (e.code, e.message, e.raw_id)
-    assert got == want
+    answers = []
+    for frame in (raw, memoryview(raw)):
+        with pytest.raises(ProtocolError) as e:
+            peek_request(frame)
+        answers.append((e.value.code, e.value.message, e.value.raw_id))
+    assert answers[0] == answers[1]
