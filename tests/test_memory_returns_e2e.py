@@ -27,13 +27,22 @@ def test_a_dormant_models_cache_is_emptied_when_it_goes_back_to_sleep() -> None:
                  "--max-models-per-worker", "1", "--metrics-port", str(free_port()), workers=1) as (broker, conn):
         for i in range(200):
             assert conn.call("tokenize", model="deepseek", text=f"{conversation}<｜User｜>question {i}")["ok"]
-        wait_until(lambda: _cache(broker, "l0")[0] >= 200 and _cache(broker, "l1")[0] > 0, what="DeepSeek's entries")
+        seen: list = []
+
+        def filled() -> bool:
+            seen[:] = [_cache(broker, "l0"), _cache(broker, "l1")]
+            return seen[0][0] >= 200 and seen[1][0] > 0
+
+        try:
+            wait_until(filled, timeout=90, what="DeepSeek's entries in the exporter")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: (entries, bytes) of l0 and l1 last seen {seen}") from None
         l0_bytes = _cache(broker, "l0")[1]
         hits = sample(scrape(broker.metrics), "smg_tokenizer_cache_lookups_total", layer="l0", result="miss")
         reply = conn.call("tokenize", model="bert", text="hello there")  # the one slot moves to BERT
         assert reply["ok"], reply
         wait_until(lambda: broker.logged("model deepseek: unloaded (dormant again"), what="DeepSeek asleep")
-        wait_until(lambda: _cache(broker, "l0")[0] == 1 and _cache(broker, "l1")[0] == 0, what="DeepSeek's entries gone")
+        wait_until(lambda: _cache(broker, "l0")[0] == 1 and _cache(broker, "l1")[0] == 0, timeout=90, what="DeepSeek's entries gone")
         entries, held = _cache(broker, "l0")
         assert 0 < held < l0_bytes / 100  # BERT's one short text
         assert sample(scrape(broker.metrics), "smg_tokenizer_cache_lookups_total", layer="l0", result="miss") >= hits + 1
