@@ -7,6 +7,7 @@ report). Long runs are by hand: .venv/bin/python tests/fuzz/fuzz_<name>.py -max_
 from __future__ import annotations
 
 import importlib.util
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -59,8 +60,12 @@ def test_seeds_pass(target: Path):
 def test_bounded_fuzz_run(target: Path, tmp_path: Path):
     pytest.importorskip("atheris", reason="atheris (a test extra) cannot be imported here: no fuzz run",
                         exc_type=ImportError)  # a missing or a broken install (its native library) alike
-    argv = [sys.executable, str(target), f"-runs={RUNS}", "-seed=1", "-max_total_time=60", "-rss_limit_mb=1024",
-            f"-artifact_prefix={tmp_path}/", str(tmp_path / "corpus")]
+    # libFuzzer's RSS limit reads the peak RSS, which Linux carries across fork and exec: the child of
+    # a suite that has grown to 1.4 GB starts "out of memory" under a flat 1 GB limit. So the bound
+    # is 1 GB above this process's peak.
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    argv = [sys.executable, str(target), f"-runs={RUNS}", "-seed=1", "-max_total_time=60",
+            f"-rss_limit_mb={peak_mb + 1024}", f"-artifact_prefix={tmp_path}/", str(tmp_path / "corpus")]
     (tmp_path / "corpus").mkdir()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     report = done.stderr[-4000:]
