@@ -159,7 +159,8 @@ class AsyncClient:
             raise error_from_reply(reply)
         return res.tokens(reply, self._ids)
 
-    async def tokenize_many(self, texts: Sequence[str], *, model: str | None = None, add_special_tokens: bool = True,
+    async def tokenize_many(self, texts: Sequence[str], *, model: str | Sequence[str | None] | None = None,
+                            add_special_tokens: bool = True,
                             affinity: str | None = None, timeout: float | None = None, offsets: bool = False,
                             token_strs: bool = False, truncate: int | None = None, truncation_side: str = "left",
                             block_hashes: res.BlockHashSpec | None = None,
@@ -168,12 +169,21 @@ class AsyncClient:
         the pool, its own cache and affinity), all sent at once (contract 1.2 arrays) and awaited
         as one. Results in the order given. Options as `tokenize`, for every text; `timeout` is
         the whole batch's deadline. An error is raised once every text has settled (the first in
-        order), or with `return_exceptions` put in its text's place (a `TokenbrokerError`)."""
-        fields: dict[str, Any] = {"op": "tokenize", "text": "", "add_special_tokens": add_special_tokens,
-                                  "tokens_format": "u32", **_options(self._model_of(model), affinity)}
+        order), or with `return_exceptions` put in its text's place (a `TokenbrokerError`).
+        `model` may be a list, one model per text (None: the client's default)."""
         options = res.token_in(offsets, token_strs, truncate, truncation_side, block_hashes)
-        fields.update(options)
-        heads, nkeys = _heads(fields, "text", texts if type(texts) is list else list(texts))
+        if model is None or isinstance(model, str):
+            fields: dict[str, Any] = {"op": "tokenize", "text": "", "add_special_tokens": add_special_tokens,
+                                      "tokens_format": "u32", **_options(self._model_of(model), affinity), **options}
+            heads, nkeys = _heads(fields, "text", texts if type(texts) is list else list(texts))
+        else:  # one model per text: `model` in every request, nil (the broker's default, as the contract says) for None
+            models = [self._model_of(m) for m in model]
+            if len(models) != len(texts):
+                raise ValueError(f"model: give one per text ({len(texts)}), got {len(models)}")
+            fields = {"op": "tokenize", "text": "", "add_special_tokens": add_special_tokens, "tokens_format": "u32",
+                      "model": None, **_options(None, affinity), **options}
+            heads = [head_of({**fields, "text": t, "model": m})[0] for t, m in zip(texts, models)]
+            nkeys = len(fields)
         ids = self._ids
         return await self._many(heads, nkeys, _codec.KIND_RAW if options else self._tokens_kind, "tokenize", timeout,
                                 lambda r: res.tokens(r, ids), res.Tokens, return_exceptions)
