@@ -54,6 +54,10 @@ BACKOFF_BASE_S = 0.005  # first `overloaded` retry waits up to this; each next o
 BACKOFF_MAX_S = 0.25
 COALESCE_MAX_CALLS = 256  # requests gathered in one frame, at most
 COALESCE_MAX_BYTES = 1024 * 1024  # and bytes (a request larger than this goes alone)
+# pyzmq's compiled Socket.send(data, flags, copy, track), under its Python wrapper; frames of at
+# least zmq.COPY_THRESHOLD bytes go without a copy, as the wrapper would send them.
+_SEND: Any = zmq.backend.Socket.send
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: enum flags cost a Python call per `&`
 
 # The per-call path is compiled (`_codec`, Cython): a request's fields are packed once into its
@@ -262,10 +266,11 @@ class Core:
         out = _codec.frames(link.outbox_calls, link.outbox, self._calls, COALESCE_MAX_CALLS, COALESCE_MAX_BYTES)
         link.outbox, link.outbox_calls, link.outbox_bytes = [], [], 0
         sock = link.sock
+        send = _SEND  # the compiled send itself: pyzmq's Python wrapper only picks copy or not, by size
         for frame in out:
             link.frames += 1
             try:  # one frame, no delimiter frame: the reply then has one frame too, half the frames
-                sock.send(frame, _NOBLOCK)  # type: ignore[union-attr]
+                send(sock, frame, _NOBLOCK, len(frame) < _COPY_THRESHOLD)
             except zmq.Again:  # not with a connected DEALER and SNDHWM 0; were it so, the frame is lost
                 pass  # like one the network lost: liveness re-sends its calls, or their deadlines fail them
 
@@ -277,25 +282,22 @@ class Core:
         sock = link.sock
         if sock is not None and link.outbox:
             self._flush(link)
-            if cast(int, sock.get(_EVENTS)) & _POLLIN:
+            if sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
                 self._drain(link)
 
     def _drain(self, link: Link) -> None:
         """Take in every frame waiting (the loop's reader calls this when the descriptor is
-        readable). Receiving until `Again` leaves the descriptor armed for the next frame; a
-        receive that settled calls schedules the link's send behind the callers it woke (see
-        the module's docstring)."""
+        readable). Reading EVENTS until it says no more leaves the descriptor armed for the next
+        frame, without the `Again` a receive would raise (an exception and an import in pyzmq,
+        a third of a one-reply wake-up's cost); a receive that settled calls schedules the link's
+        send behind the callers it woke (see the module's docstring)."""
         sock = link.sock
         if sock is None:
             return
-        recv = sock.recv
+        recv, events = sock.recv, sock.get
         settled = 0
-        while True:
-            try:
-                payload = recv(_NOBLOCK)
-            except zmq.Again:
-                break
-            settled += self._on_frame(link, payload)
+        while events(_EVENTS) & _POLLIN:  # type: ignore[operator]
+            settled += self._on_frame(link, recv(_NOBLOCK))
             if link.sock is not sock:  # pragma: no cover - nothing on the receive path reconnects
                 return
         if settled and not link.kick:
