@@ -179,12 +179,12 @@ class Core:
             return [(self._rng.choice(self._links), n)]
         loads = sorted(live, key=lambda link: len(link.outstanding))
         level = (sum(len(link.outstanding) for link in loads) + n) / len(loads)
-        shares = [max(0, int(level - len(link.outstanding))) for link in loads]
-        shares[0] += n - sum(shares)  # what rounding left over (or took too much) goes to the least loaded
-        while shares[0] < 0:  # pragma: no cover - rounding down never gives more than n
-            i = next(i for i, s in enumerate(shares) if s > 0 and i)
-            shares[i] -= 1
-            shares[0] += 1
+        shares, left = [], n
+        for link in loads:
+            share = min(left, max(0, int(level - len(link.outstanding))))
+            shares.append(share)
+            left -= share
+        shares[0] += left  # what rounding down left over goes to the least loaded
         return list(zip(loads, shares))
 
     def _compact(self) -> None:
