@@ -51,6 +51,7 @@ cdef extern from "Python.h":
     ctypedef struct PyObject:
         pass
     PyObject* PyType_GenericAlloc(PyTypeObject*, Py_ssize_t) except NULL
+    void PyObject_GC_UnTrack(void*)
     void Py_INCREF(PyObject*)
 
     const char* PyUnicode_AsUTF8AndSize(object, Py_ssize_t*) except NULL
@@ -816,12 +817,15 @@ cdef object _typed(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos, Py_s
         return None
     cdef PyObject* f[9]
     cdef PyObject* none = <PyObject*>None
+    cdef object out
     if base == 2:
         if text is None:
             pos[0] = start
             return None
         f[0], f[1] = <PyObject*>text, <PyObject*>worker
-        return _build(&_TEXT, f)
+        out = _build(&_TEXT, f)
+        PyObject_GC_UnTrack(<PyObject*>out)  # two str: atomic (see below)
+        return out
     if tokens is None or count is None:
         pos[0] = start
         return None
@@ -829,10 +833,17 @@ cdef object _typed(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos, Py_s
     if base == 1:
         f[2], f[3] = <PyObject*>worker, <PyObject*>cache
         f[4] = f[5] = f[6] = f[7] = none
-        return _build(&_TOKENS, f)
-    f[2], f[3], f[4] = <PyObject*>prompt, <PyObject*>worker, <PyObject*>cache
-    f[5] = f[6] = f[7] = f[8] = none
-    return _build(&_CHAT, f)
+        out = _build(&_TOKENS, f)
+    else:
+        f[2], f[3], f[4] = <PyObject*>prompt, <PyObject*>worker, <PyObject*>cache
+        f[5] = f[6] = f[7] = f[8] = none
+        out = _build(&_CHAT, f)
+    if not as_list:
+        # Every field is atomic (an array of ints, an int, str, None, an interned CacheInfo of a str
+        # and an int): no cycle can go through it, so the collector need not track it, as CPython
+        # untracks tuples of atoms. It saves the collector's visits to every result held.
+        PyObject_GC_UnTrack(<PyObject*>out)
+    return out
 
 
 cdef object _reply_id(const unsigned char* p, Py_ssize_t end, Py_ssize_t pos, Py_ssize_t pairs):
