@@ -1,16 +1,27 @@
-"""The client's codec (msgspec) against msgpack, the contract's reference codec: same request
-bytes for the bodies the client packs on its fast path, same values for every reply shape."""
+"""The client's compiled codec (src/tokenbroker/_codec.pyx) against msgpack, the contract's
+reference codec: the same request bytes for every shape the client sends, the same values for
+every reply shape, results read straight from reply bytes equal to the ones built from msgpack's
+map, and hostile frames refused without a crash."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 from array import array
+from dataclasses import fields
 
 import msgpack
 import pytest
 
-from tokenbroker._client_core import _decode, _encode
+from tokenbroker import _client_results as res
+from tokenbroker import _codec
 
 U32 = array("I", [0, 1, 0xFFD6, 2**32 - 1, 128000]).tobytes()
+
+
+def ref_pack(value: object) -> bytes:
+    return msgpack.Packer(use_bin_type=True).pack(value)
+
 
 BODIES = [
     {"op": "tokenize", "text": "Hello, world!", "add_special_tokens": True, "tokens_format": "u32", "id": 1,
@@ -21,8 +32,73 @@ BODIES = [
     {"op": "detokenize_stream", "columns": {"tokens": U32, "lengths": b"\x01\x00\x00\x00" * 5, "states": b"",
                                             "state_lengths": b"\x00" * 20, "final": b"\x01" * 5},
      "model": "m", "id": 3, "deadline_ms": 99},
+    {"op": "detokenize_stream", "seqs": [{"tokens": [1, 2], "state": None, "final": False, "stop": ["\n"],
+                                          "prompt_tokens": U32, "stop_token_ids": [7], "skip_special_tokens": False,
+                                          "include_stop_str_in_output": True}], "id": 3, "deadline_ms": 99},
     {"op": "tokenize", "text": "x" * 70000, "id": 4, "deadline_ms": 5},
+    {"op": "tokenize", "text": ["a", "b" * 300, ""], "return_offsets": True, "return_token_strs": True,
+     "truncate_prompt_tokens": 0, "truncation_side": "right",
+     "block_hashes": {"block_size": 16, "seed": "0", "lora_name": "l", "cache_salt": "s"}, "id": 5, "deadline_ms": 60000},
+    {"op": "detokenize", "tokens": [[1, 2, 3], U32, []], "skip_special_tokens": True, "id": 6, "deadline_ms": 1},
+    {"op": "chat", "messages": [{"role": "system", "content": "x" * 40}, {"role": "user", "content": "hi",
+                                                                          "name": None}],
+     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "n": 1.5}}}],
+     "add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {"thinking": True},
+     "return_prompt": False, "tokens_format": "u32", "id": 7, "deadline_ms": 3},
+    {"op": "count", "body": {"model": "gpt-4o", "messages": [{"role": "user", "content": "hey"}], "n": -1,
+                             "t": 0.25, "big": 2**63, "neg": -(2**63)}, "strict": False, "id": 8, "deadline_ms": 9},
+    {"op": "add_model", "name": "n", "source": "s", "aliases": ["a", "b"], "chat_template": "{{ x }}", "id": 9,
+     "deadline_ms": 10},
+    {"k" * 40: list(range(-40, 300, 7)), "ints": [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1,
+                                                   -1, -32, -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1],
+     "many": list(range(70000)), "map": {str(i): i for i in range(20)}, "bigmap": {str(i): None for i in range(70000)},
+     "bin": b"\x00" * 300, "bin16": b"\x01" * 70000, "str": "é" * 40, "tuple": (1, "a"), "ba": bytearray(b"xy")},
 ]
+
+
+@pytest.mark.parametrize("body", BODIES, ids=range(len(BODIES)))
+def test_requests_pack_to_msgpacks_bytes(body: dict) -> None:
+    assert _codec.pack(body) == ref_pack(body)
+    fields_only = {k: v for k, v in body.items() if k not in ("id", "deadline_ms")}
+    head = _codec.pack_entries(fields_only)
+    # a request as it goes: its fields, then id, then deadline_ms
+    assert _codec.request(head, len(fields_only), 77, 30000) == ref_pack({**fields_only, "id": 77, "deadline_ms": 30000})
+
+
+@pytest.mark.parametrize("model", [None, "m", "deepseek-ai/DeepSeek-V3.1"])
+@pytest.mark.parametrize("affinity", [None, "conversation-7"])
+@pytest.mark.parametrize("text", ["", "hi", "日本語 🙂" * 40, "x" * 70000])
+def test_the_tokenize_head_is_the_generic_packers(model: str | None, affinity: str | None, text: str) -> None:
+    body = {"op": "tokenize", "text": text, "add_special_tokens": False, "tokens_format": "u32"}
+    if model is not None:
+        body["model"] = model
+    if affinity is not None:
+        body["affinity"] = affinity
+    assert _codec.tokenize_head(text, False, model, affinity) == (_codec.pack_entries(body), len(body))
+
+
+def test_a_batchs_heads_are_each_requests_fields() -> None:
+    texts = ["a", "é" * 100, "x" * 70000, ""]
+    prefix = _codec.pack_entries({"op": "tokenize"}) + _codec.pack("text")
+    suffix = _codec.pack_entries({"add_special_tokens": True, "model": "m"})
+    for head, text in zip(_codec.heads(prefix, texts, suffix), texts):
+        want = {"op": "tokenize", "text": text, "add_special_tokens": True, "model": "m"}
+        assert _codec.request(head, 4, 5, 6) == ref_pack({**want, "id": 5, "deadline_ms": 6})
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1])
+def test_ints_msgpack_refuses_are_refused(value: int) -> None:
+    with pytest.raises(OverflowError):
+        ref_pack(value)
+    with pytest.raises(OverflowError):
+        _codec.pack(value)
+
+
+@pytest.mark.parametrize("value", [object(), {1, 2}, memoryview(b"x"), type("S", (str,), {})("sub")])
+def test_other_types_are_left_to_msgpack(value: object) -> None:
+    with pytest.raises(TypeError):
+        _codec.pack({"v": value})
+
 
 REPLIES = [
     {"id": 1, "ok": True, "tokens": U32, "count": 5, "worker": "w-1", "cache": {"hit": False, "level": None}},
@@ -39,21 +115,122 @@ REPLIES = [
 ]
 
 
-@pytest.mark.parametrize("body", BODIES, ids=range(len(BODIES)))
-def test_requests_pack_to_msgpacks_bytes(body: dict) -> None:
-    assert _encode(body) == msgpack.Packer(use_bin_type=True).pack(body)
-
-
 @pytest.mark.parametrize("reply", REPLIES, ids=range(len(REPLIES)))
 def test_replies_decode_to_msgpacks_values(reply: object) -> None:
-    wire = msgpack.packb(reply, use_bin_type=True)
-    assert _decode(wire) == msgpack.unpackb(wire, raw=False, strict_map_key=False)
+    wire = ref_pack(reply)
+    assert _codec.unpack(wire) == msgpack.unpackb(wire, raw=False, strict_map_key=False)
 
 
 @pytest.mark.parametrize("wire", [b"", b"\xc1", b"\x92\x01", msgpack.packb({"id": 1}) + b"\x00",
-                                  b"\x81\xa1a\xd4\xfbx"], ids=["empty", "reserved", "short", "extra", "ext-negative"])
+                                  b"\x81\xa1a\xd4\xfbx", b"\xa2\xff\xfe", b"\x91" * 100000],
+                         ids=["empty", "reserved", "short", "extra", "ext-negative", "bad-utf8", "deep"])
 def test_frames_msgpack_refuses_are_refused(wire: bytes) -> None:
     with pytest.raises(Exception):
-        msgpack.unpackb(wire, raw=False, strict_map_key=False)
-    with pytest.raises(Exception):
-        _decode(wire)
+        _codec.unpack(wire)
+    with pytest.raises(ValueError):
+        _codec.settle(wire, {}, [])
+
+
+def test_results_are_built_as_their_classes_build_them() -> None:
+    for cls in (res.Tokens, res.Text, res.ChatTokens):
+        assert tuple(f.name for f in fields(cls)) == cls.__slots__
+        values = tuple(range(len(cls.__slots__)))
+        assert _codec.build(cls, values) == cls(*values)
+
+
+class _Link:
+    def __init__(self) -> None:
+        self.outstanding: dict = {}
+
+
+def _settled(kind: int, reply: dict) -> object:
+    """`reply` as `settle` gives it to a pending call of `kind`."""
+    loop = asyncio.new_event_loop()
+    try:
+        future = loop.create_future()
+        call = _codec.Call(reply.get("id", 1), b"", 0, kind, "op", future, 0.0, 1.0)
+        link = _Link()
+        call.link = link
+        link.outstanding[call.id] = call
+        calls = {call.id: call}
+        odd: list = []
+        assert _codec.settle(ref_pack(reply), calls, odd) == 1 and not odd and not calls and not link.outstanding
+        return future.result()
+    finally:
+        loop.close()
+
+
+TOKENS_REPLIES = [
+    {"id": 1, "ok": True, "tokens": U32, "count": 5, "cache": {"l0": "miss", "l1_reused_tokens": 0}, "worker": "w-1"},
+    {"id": 2, "ok": True, "tokens": b"", "count": 0, "cache": {"l0": "hit", "l1_reused_tokens": 12}, "worker": "w"},
+    {"id": 3, "ok": True, "tokens": U32, "count": 5, "worker": "ü-2"},
+    {"id": 4, "ok": True, "tokens": U32, "count": 5, "cache": {"l0": "off", "l1_reused_tokens": 0}, "worker": "w",
+     "truncated": 2, "offsets": array("I", range(10)).tobytes(), "token_strs": ["a"] * 5},
+    {"id": 5, "ok": True, "tokens": list(range(5)), "count": 5, "worker": "w"},
+    {"id": 6, "ok": False, "error": {"code": "invalid_input", "message": "no"}},
+    {"ok": True, "id": 7, "count": 5, "tokens": U32},
+]
+
+
+@pytest.mark.parametrize("ids", ["array", "list"])
+@pytest.mark.parametrize("reply", TOKENS_REPLIES, ids=range(len(TOKENS_REPLIES)))
+def test_tokenize_replies_read_into_tokens_equal_the_maps_results(reply: dict, ids: str) -> None:
+    got = _settled(_codec.KIND_TOKENS_LIST if ids == "list" else _codec.KIND_TOKENS, reply)
+    if type(got) is dict:  # a shape read as a map: the Python reader's, as before
+        assert got == msgpack.unpackb(ref_pack(reply), raw=False)
+        assert reply.get("ok") is not True or set(reply) - {"id", "ok", "tokens", "count", "cache", "worker"} \
+            or type(reply["tokens"]) is not bytes
+    else:
+        assert got == res.tokens(msgpack.unpackb(ref_pack(reply), raw=False), ids)  # type: ignore[arg-type]
+        assert type(got.tokens) is (list if ids == "list" else array)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("reply", [
+    {"id": 1, "ok": True, "text": "héllo", "worker": "w-1"},
+    {"id": 1, "ok": True, "text": "", "worker": "w-1"},
+    {"id": 1, "ok": True, "text": ["a", "b"], "worker": "w-1"},
+])
+def test_detokenize_replies_read_into_text(reply: dict) -> None:
+    got = _settled(_codec.KIND_TEXT, reply)
+    if type(reply["text"]) is str:
+        assert got == res.text(reply)
+    else:
+        assert got == reply
+
+
+@pytest.mark.parametrize("reply", [
+    {"id": 1, "ok": True, "tokens": U32, "count": 5, "prompt": "p", "cache": {"l0": "miss", "l1_reused_tokens": 3},
+     "worker": "w"},
+    {"id": 1, "ok": True, "tokens": U32, "count": 5, "prompt": None, "worker": "w"},
+    {"id": 1, "ok": True, "tokens": U32, "count": 5, "worker": "w"},
+])
+def test_chat_replies_read_into_chat_tokens(reply: dict) -> None:
+    assert _settled(_codec.KIND_CHAT, reply) == res.chat_tokens(reply, "array")
+
+
+def test_hostile_frames_never_crash_the_reader() -> None:
+    """Random bytes and every truncation and one-byte change of real reply frames: each is read
+    or refused with ValueError, never a crash, and settles nothing it cannot read."""
+    rng = random.Random(33)
+    frames = [ref_pack([t for t in TOKENS_REPLIES]), ref_pack(TOKENS_REPLIES[0]), ref_pack(REPLIES[2])]
+    cases = [bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 64))) for _ in range(2000)]
+    for frame in frames:
+        cases += [frame[:i] for i in range(len(frame))]
+        for _ in range(500):
+            i = rng.randrange(len(frame))
+            cases.append(frame[:i] + bytes([rng.getrandbits(8)]) + frame[i + 1:])
+    loop = asyncio.new_event_loop()
+    try:
+        for wire in cases:
+            calls = {i: _codec.Call(i, b"", 0, _codec.KIND_TOKENS, "op", loop.create_future(), 0.0, 1.0)
+                     for i in range(1, 8)}
+            try:
+                _codec.settle(wire, calls, [])
+            except (ValueError, TypeError):
+                pass
+            try:
+                _codec.unpack(wire)
+            except Exception:
+                pass
+    finally:
+        loop.close()

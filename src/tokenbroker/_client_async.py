@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from array import array
-from typing import Any, Awaitable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import zmq
 
 from . import _client_results as res
-from ._client_core import DEFAULT_ENDPOINT, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S, Core, EndpointStatus
+from . import _codec
+from ._client_core import DEFAULT_ENDPOINT, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S, Core, EndpointStatus, head_of
 from ._client_errors import error_from_reply
 from ._client_keys import SecretKey, ServerKey, curve_keys
 from ._client_stream import AsyncDetokenizeStream
@@ -18,6 +19,20 @@ IdsIn = Sequence[int] | array | bytes
 
 def _endpoints(endpoints: str | Sequence[str]) -> list[str]:
     return [endpoints] if isinstance(endpoints, str) else list(endpoints)
+
+
+def _heads(fields: dict[str, Any], varying: str, values: list[Any]) -> tuple[list[bytes], int]:
+    """The packed fields of a batch's requests: `fields` with `varying` set to each value in turn
+    (its place in the map is where `fields` holds it), compiled in one call."""
+    keys = list(fields)
+    at = keys.index(varying)
+    before = {k: fields[k] for k in keys[:at]}
+    after = {k: fields[k] for k in keys[at + 1:]}
+    try:
+        prefix = _codec.pack_entries(before) + _codec.pack(varying)
+        return _codec.heads(prefix, values, _codec.pack_entries(after)), len(fields)
+    except TypeError:  # a value the compiled packer does not take: each request packed on its own
+        return [head_of({**before, varying: v, **after})[0] for v in values], len(fields)
 
 
 def _options(model: str | None, affinity: str | None) -> dict[str, Any]:
@@ -62,23 +77,53 @@ class AsyncClient:
         self._timeout = timeout
         self._model = model
         self._ids: res.IdsFormat = ids
+        self._tokens_kind = _codec.KIND_TOKENS_LIST if ids == "list" else _codec.KIND_TOKENS  # replies read into Tokens
 
-    async def _ok(self, body: dict[str, Any], timeout: float | None, plain: bool = False) -> dict[str, Any]:
-        """The reply map of an ok call; its error raised otherwise (one coroutine over the call's future).
-        `plain`: the body holds exact str/bytes/int/bool values only (`Core.submit`)."""
+    async def _ok(self, body: dict[str, Any], timeout: float | None, kind: int = _codec.KIND_RAW) -> Any:
+        """The result of an ok call (the reply map, or for `kind` its result read in compiled code);
+        its error raised otherwise (one coroutine over the call's future)."""
         core = self._core
-        call = core.submit(body, self._timeout if timeout is None else timeout, plain)
+        call = core.submit(*head_of(body), kind, body["op"], self._timeout if timeout is None else timeout)
         try:
             reply = await call.future
         except BaseException:  # cancelled (or the client closed): the engine forgets the call now
             core.discard(call)
             raise
-        if reply.get("ok") is not True:
+        if type(reply) is dict and reply.get("ok") is not True:
             raise error_from_reply(reply)
         return reply
 
+    async def _many(self, heads: list[bytes], nkeys: int, kind: int, op: str, timeout: float | None,
+                    convert: Callable[[dict], Any], result: type, return_exceptions: bool) -> list[Any]:
+        """A batch of independent calls: their results in order; an error raised (the first in
+        order, once every call has settled) or, with `return_exceptions`, left in its place."""
+        if not heads:
+            return []
+        core = self._core
+        batch = core.submit_batch(heads, nkeys, kind, op, self._timeout if timeout is None else timeout)
+        try:
+            await batch.future
+        except BaseException:
+            core.discard_batch(batch)
+            raise
+        core.settled_batch(batch)
+        results = batch.results
+        if batch.odd:
+            first: BaseException | None = None
+            for i, r in enumerate(results):
+                if type(r) is result:
+                    continue
+                if type(r) is dict:
+                    r = results[i] = convert(r) if r.get("ok") is True else error_from_reply(r)
+                if isinstance(r, BaseException) and first is None:
+                    first = r
+            if first is not None and not return_exceptions:
+                raise first
+        return results
+
     def _model_of(self, model: str | None) -> str | None:
         return self._model if model is None else model
+
 
     async def tokenize(self, text: str, *, model: str | None = None, add_special_tokens: bool = True,
                        affinity: str | None = None, timeout: float | None = None, offsets: bool = False,
@@ -90,21 +135,58 @@ class AsyncClient:
         keeps the last) and `block_hashes` (vLLM's prefix-cache hashes: `BlockHashSpec`) add the
         reply's 1.2 fields (contract "tokenize and chat options").
         """
-        body: dict[str, Any] = {"op": "tokenize", "text": text, "add_special_tokens": add_special_tokens,
-                                "tokens_format": "u32"}
-        # plain (msgspec packs it): the fields this method fills from exact str and bool values
-        plain = type(text) is str and type(add_special_tokens) is bool
         model = self._model if model is None else model
-        if model is not None:
-            body["model"] = model
-            plain = plain and type(model) is str
-        if affinity is not None:
-            body["affinity"] = affinity
-            plain = plain and type(affinity) is str
         if offsets or token_strs or truncate is not None or block_hashes is not None:
-            body.update(res.token_in(offsets, token_strs, truncate, truncation_side, block_hashes))
-            plain = False
-        return res.tokens(await self._ok(body, timeout, plain), self._ids)
+            body = {"op": "tokenize", "text": text, "add_special_tokens": add_special_tokens, "tokens_format": "u32",
+                    **_options(model, affinity), **res.token_in(offsets, token_strs, truncate, truncation_side, block_hashes)}
+            return res.tokens(await self._ok(body, timeout), self._ids)
+        try:
+            head, nkeys = _codec.tokenize_head(text, add_special_tokens, model, affinity)
+        except TypeError:  # a value the compiled packer does not take (a str subclass...)
+            head, nkeys = head_of({"op": "tokenize", "text": text, "add_special_tokens": add_special_tokens,
+                                   "tokens_format": "u32", **_options(model, affinity)})
+        # The hot path: the call's own future awaited here, no coroutine in between.
+        core = self._core
+        call = core.submit(head, nkeys, self._tokens_kind, "tokenize", self._timeout if timeout is None else timeout)
+        try:
+            reply = await call.future
+        except BaseException:  # cancelled (or the client closed): the engine forgets the call now
+            core.discard(call)
+            raise
+        if type(reply) is res.Tokens:
+            return reply
+        if reply.get("ok") is not True:
+            raise error_from_reply(reply)
+        return res.tokens(reply, self._ids)
+
+    async def tokenize_many(self, texts: Sequence[str], *, model: str | Sequence[str | None] | None = None,
+                            add_special_tokens: bool = True,
+                            affinity: str | None = None, timeout: float | None = None, offsets: bool = False,
+                            token_strs: bool = False, truncate: int | None = None, truncation_side: str = "left",
+                            block_hashes: res.BlockHashSpec | None = None,
+                            return_exceptions: bool = False) -> list[res.Tokens]:
+        """`tokenize` of each text, as independent requests: each is routed on its own (spread over
+        the pool, its own cache and affinity), all sent at once (contract 1.2 arrays) and awaited
+        as one. Results in the order given. Options as `tokenize`, for every text; `timeout` is
+        the whole batch's deadline. An error is raised once every text has settled (the first in
+        order), or with `return_exceptions` put in its text's place (a `TokenbrokerError`).
+        `model` may be a list, one model per text (None: the client's default)."""
+        options = res.token_in(offsets, token_strs, truncate, truncation_side, block_hashes)
+        if model is None or isinstance(model, str):
+            fields: dict[str, Any] = {"op": "tokenize", "text": "", "add_special_tokens": add_special_tokens,
+                                      "tokens_format": "u32", **_options(self._model_of(model), affinity), **options}
+            heads, nkeys = _heads(fields, "text", texts if type(texts) is list else list(texts))
+        else:  # one model per text: `model` in every request, nil (the broker's default, as the contract says) for None
+            models = [self._model_of(m) for m in model]
+            if len(models) != len(texts):
+                raise ValueError(f"model: give one per text ({len(texts)}), got {len(models)}")
+            fields = {"op": "tokenize", "text": "", "add_special_tokens": add_special_tokens, "tokens_format": "u32",
+                      "model": None, **_options(None, affinity), **options}
+            heads = [head_of({**fields, "text": t, "model": m})[0] for t, m in zip(texts, models)]
+            nkeys = len(fields)
+        ids = self._ids
+        return await self._many(heads, nkeys, _codec.KIND_RAW if options else self._tokens_kind, "tokenize", timeout,
+                                lambda r: res.tokens(r, ids), res.Tokens, return_exceptions)
 
     async def tokenize_batch(self, texts: Sequence[str], *, model: str | None = None, add_special_tokens: bool = True,
                              affinity: str | None = None, timeout: float | None = None, offsets: bool = False,
@@ -121,7 +203,18 @@ class AsyncClient:
         """The text of one sequence of ids (an array('I') travels as a u32 bin)."""
         body = {"op": "detokenize", "tokens": res.ids_to_wire(tokens), "skip_special_tokens": skip_special_tokens,
                 **_options(self._model_of(model), None)}
-        return res.text(await self._ok(body, timeout))
+        reply = await self._ok(body, timeout, _codec.KIND_TEXT)
+        return reply if type(reply) is res.Text else res.text(reply)
+
+    async def detokenize_many(self, seqs: Sequence[IdsIn], *, model: str | None = None,
+                              skip_special_tokens: bool = True, timeout: float | None = None,
+                              return_exceptions: bool = False) -> list[res.Text]:
+        """`detokenize` of each sequence, as independent requests sent at once (see `tokenize_many`)."""
+        fields = {"op": "detokenize", "tokens": b"", "skip_special_tokens": skip_special_tokens,
+                  **_options(self._model_of(model), None)}
+        heads, nkeys = _heads(fields, "tokens", [res.ids_to_wire(t) for t in seqs])
+        return await self._many(heads, nkeys, _codec.KIND_TEXT, "detokenize", timeout, res.text, res.Text,
+                                return_exceptions)
 
     async def detokenize_batch(self, batch: Sequence[IdsIn], *, model: str | None = None,
                                skip_special_tokens: bool = True, timeout: float | None = None) -> res.TextBatch:
@@ -149,7 +242,36 @@ class AsyncClient:
             body["tools"] = list(tools)
         if chat_template_kwargs:
             body["chat_template_kwargs"] = dict(chat_template_kwargs)
-        return res.chat_tokens(await self._ok(body, timeout), self._ids)
+        kind = (_codec.KIND_CHAT_LIST if self._ids == "list" else _codec.KIND_CHAT) if not (
+            offsets or token_strs or truncate is not None or block_hashes is not None) else _codec.KIND_RAW
+        reply = await self._ok(body, timeout, kind)
+        return reply if type(reply) is res.ChatTokens else res.chat_tokens(reply, self._ids)
+
+    async def chat_many(self, conversations: Sequence[Sequence[Mapping[str, Any]]], *, model: str | None = None,
+                        tools: Sequence[Any] | None = None, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
+                        return_prompt: bool = False, affinity: str | None = None, timeout: float | None = None,
+                        offsets: bool = False, token_strs: bool = False, truncate: int | None = None,
+                        truncation_side: str = "left", block_hashes: res.BlockHashSpec | None = None,
+                        return_exceptions: bool = False) -> list[res.ChatTokens]:
+        """`chat` of each conversation (a list of messages), as independent requests sent at once
+        (see `tokenize_many`); the other options apply to every conversation."""
+        fields: dict[str, Any] = {"op": "chat", "messages": [], "add_generation_prompt": add_generation_prompt,
+                                  "continue_final_message": continue_final_message,
+                                  "return_prompt": return_prompt, "tokens_format": "u32",
+                                  **_options(self._model_of(model), affinity)}
+        options = res.token_in(offsets, token_strs, truncate, truncation_side, block_hashes)
+        fields.update(options)
+        if tools is not None:
+            fields["tools"] = list(tools)
+        if chat_template_kwargs:
+            fields["chat_template_kwargs"] = dict(chat_template_kwargs)
+        values = [c if type(c) is list else list(c) for c in conversations]
+        heads, nkeys = _heads(fields, "messages", values)
+        ids = self._ids
+        kind = (_codec.KIND_CHAT_LIST if ids == "list" else _codec.KIND_CHAT) if not options else _codec.KIND_RAW
+        return await self._many(heads, nkeys, kind, "chat", timeout, lambda r: res.chat_tokens(r, ids),
+                                res.ChatTokens, return_exceptions)
 
     async def count(self, body: Mapping[str, Any] | str | bytes, *, model: str | None = None,
                     format: str | None = None, strict: bool = False, timeout: float | None = None) -> res.Count:
@@ -168,7 +290,7 @@ class AsyncClient:
 
     async def ping(self, *, timeout: float | None = None) -> res.Pong:
         """Answered by a broker itself: how many workers it has ready."""
-        return res.pong(await self._ok({"op": "ping"}, timeout, True))
+        return res.pong(await self._ok({"op": "ping"}, timeout))
 
     async def add_model(self, name: str, source: str, *, aliases: Sequence[str] = (), chat_template: str | None = None,
                         timeout: float | None = None) -> res.ModelState:
@@ -203,11 +325,8 @@ class AsyncClient:
         return await self._core.call(dict(body), self._timeout if timeout is None else timeout)
 
     def _stream_body(self, body: dict[str, Any], timeout: float | None = None) -> Awaitable[dict[str, Any]]:
-        """A stream step's request (a fresh body the helper built: bins, ints and str; plain when its
-        model is an exact str): the core's call itself, no coroutine of its own."""
-        model = body.get("model")
-        return self._core.call(body, self._timeout if timeout is None else timeout,
-                               "columns" in body and (model is None or type(model) is str))
+        """A stream step's request: the core's call itself, no coroutine of its own."""
+        return self._core.call(body, self._timeout if timeout is None else timeout)
 
     def status(self) -> list[EndpointStatus]:
         """Each broker as this client sees it: alive, calls outstanding, counters."""

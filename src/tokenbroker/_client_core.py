@@ -27,24 +27,24 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import itertools
 import math
 import random
 from threading import get_ident
 from typing import Any, Sequence, cast
 
 import msgpack
-import msgspec
 import zmq
 
 from tokenbroker.common.config import DEFAULT_FRONTEND
 from tokenbroker.common.protocol import MAX_DEADLINE_MS
 
+from . import _codec
 from ._client_errors import Unavailable
 from ._client_keys import CurveKeys
-from ._client_link import Call, EndpointStatus, Link
+from ._client_link import EndpointStatus, Link
+from ._codec import Batch, Call
 
-DEFAULT_ENDPOINT = DEFAULT_FRONTEND  # the broker's own default frontend
+DEFAULT_ENDPOINT: str = DEFAULT_FRONTEND  # the broker's own default frontend
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_LIVENESS_S = 2.0
 # The broker answers `timeout` at the deadline it was sent; give that reply this long to arrive
@@ -54,18 +54,30 @@ BACKOFF_BASE_S = 0.005  # first `overloaded` retry waits up to this; each next o
 BACKOFF_MAX_S = 0.25
 COALESCE_MAX_CALLS = 256  # requests gathered in one frame, at most
 COALESCE_MAX_BYTES = 1024 * 1024  # and bytes (a request larger than this goes alone)
+# pyzmq's compiled Socket.send(data, flags, copy, track), under its Python wrapper; frames of at
+# least zmq.COPY_THRESHOLD bytes go without a copy, as the wrapper would send them.
+_SEND: Any = zmq.backend.Socket.send
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: enum flags cost a Python call per `&`
 
-# The codec of the per-call path is msgspec's: it decodes a reply map in about a third of
-# `msgpack.unpackb`'s time (and a packed array of them in two thirds) and packs a plain body in
-# half of `Packer.pack`'s, with the same bytes (the broker stays on msgpack). Replies decode to the
-# values `msgpack.unpackb(raw=False, strict_map_key=False)` gives: bins as bytes, str keys, int keys
-# (columnar `stops`); ext types come back as msgpack's `ExtType` through the hook (the timestamp
-# ext -1, which the contract never sends, as a datetime where msgpack gives its Timestamp).
-# msgspec packs some types msgpack refuses (datetime, set, dataclasses...), so only bodies the
-# client built from plain values (`Call.plain`) take it; the rest go through msgpack's Packer.
-_decode = msgspec.msgpack.Decoder(ext_hook=lambda code, data: msgpack.ExtType(code, bytes(data))).decode
-_encode = msgspec.msgpack.Encoder().encode
+# The per-call path is compiled (`_codec`, Cython): a request's fields are packed once into its
+# `head`, its id and deadline written at each send; a reply frame is read straight into results
+# (`Tokens`, `Text`, `ChatTokens`) and settles its calls in one call. The bytes are msgpack's.
+_codec.configure(MAX_DEADLINE_MS)
+_PING = _codec.pack_entries({"op": "ping"})
+
+
+def head_of(body: dict) -> tuple[bytes, int]:
+    """A request's fields packed as `Call.head` (without `id` and `deadline_ms`, which each send
+    writes): compiled for plain values, msgpack's Packer for anything else it packs."""
+    if "id" in body or "deadline_ms" in body:
+        body = {k: v for k, v in body.items() if k != "id" and k != "deadline_ms"}
+    try:
+        return _codec.pack_entries(body), len(body)
+    except TypeError:  # a type the compiled packer does not take (a str subclass, a memoryview...)
+        packed = msgpack.Packer(use_bin_type=True).pack(body)
+        n = len(body)
+        return packed[1 if n < 16 else 3 if n < 65536 else 5:], n
 
 
 class Core:
@@ -82,57 +94,114 @@ class Core:
         self._context = context
         self._curve = curve
         self._liveness = liveness_s
-        self._ids = itertools.count(1)
+        self._next_id = 1
         self._calls: dict[int, Call] = {}
-        self._deadlines: list[tuple[float, int]] = []  # (expiry, id), answered calls' entries included
+        self._deadlines: list[tuple[float, int]] = []  # (expiry, id), answered calls' entries included;
+        # a batch has one entry, (expiry, -its first id), and is in `_batches` until it settles
+        self._batches: dict[int, Batch] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watcher: asyncio.Task | None = None
-        self._packer = msgpack.Packer(use_bin_type=True)
         self._rng = random.Random()
         self._closed = False
 
     # --- the hot path --------------------------------------------------------------------
 
-    def submit(self, body: dict, timeout: float, plain: bool = False) -> Call:
-        """Send `body` (an op's fields); its `future` gets the reply map, ok or not, or `Unavailable`.
+    def submit(self, head: bytes, nkeys: int, kind: int, op: str, timeout: float) -> Call:
+        """Send a request whose fields are packed in `head` (`head_of`); its `future` gets the result
+        (`kind`: see `_codec`), or the reply map, ok or not, or `Unavailable`.
 
-        `plain`: every value in `body` is an exact str, bytes, int, bool, float or None, or a list or
-        dict of them (the client built it), so msgspec packs it byte for byte as msgpack would.
-
-        Raises at once for a body MessagePack cannot hold (nothing stays pending). The caller
-        awaits `future` and calls `discard` if that await ends otherwise (cancelled)."""
+        The caller awaits `future` and calls `discard` if that await ends otherwise (cancelled)."""
         loop = self._loop
         # On the loop's own thread while it runs, the loop is ours: `get_running_loop()` costs a
         # getpid() system call on CPython 3.11, so it is asked only when that does not hold.
         if self._closed or loop is None or getattr(loop, "_thread_id", None) != get_ident():
             loop = self._enter()
-        rid = next(self._ids)
-        body["id"] = rid
+        rid = self._next_id
+        self._next_id = rid + 1
         now = loop.time()
-        call = Call(rid, body, loop.create_future(), now + timeout, timeout, plain=plain)
-        self._calls[rid] = call
         live = self._live
-        try:
-            self._send(call, live[0] if len(live) == 1 else self._pick(), now)
-        except BaseException:
-            self.discard(call)
-            raise
+        link = live[0] if len(live) == 1 else self._pick()
+        call = _codec.submit_one(head, nkeys, kind, op, loop.create_future(), rid, now + timeout, timeout, now,
+                                 self._calls, link, self._deadlines, LOCAL_GRACE_S)
+        if not link.kick:
+            link.kick = True
+            loop.call_soon(self._kick, link)
         # One timer for all calls, at the earliest deadline (a timer per call costs more than the call).
         expiry = call.deadline + LOCAL_GRACE_S
-        heap = self._deadlines
-        heapq.heappush(heap, (expiry, rid))
         if expiry < self._timer_at:
             self._arm(expiry)
-        elif len(heap) > 4 * len(self._calls) + 4096:  # answered calls' entries: drop them now and then
-            heap[:] = [(c.deadline + LOCAL_GRACE_S, c.id) for c in self._calls.values()]
-            heapq.heapify(heap)
+        elif len(self._deadlines) > 4 * len(self._calls) + 4096:
+            self._compact()
         return call
 
-    async def call(self, body: dict, timeout: float, plain: bool = False) -> dict:
-        """`submit`, then the reply map, ok or not; `Unavailable` if none came."""
-        call = self.submit(body, timeout, plain)
+    def submit_batch(self, heads: list[bytes], nkeys: int, kind: int, op: str, timeout: float) -> Batch:
+        """Many independent requests (fields packed in `heads`, one each), each its own call routed
+        on its own; the batch's `future` gets the batch when every one is settled (`Batch.results`,
+        in the order given). The caller calls `discard_batch` if its await ends otherwise."""
+        loop = self._loop
+        if self._closed or loop is None or getattr(loop, "_thread_id", None) != get_ident():
+            loop = self._enter()
+        n = len(heads)
+        batch = Batch(loop.create_future(), n)
+        batch.first = rid = self._next_id
+        now = loop.time()
+        deadline = now + timeout
+        start = 0
+        for link, share in self._shares(n):
+            if not share:
+                continue
+            if not link.outstanding:
+                link.busy_since = now
+            rid = _codec.submit_batch(heads[start:start + share] if share != n else heads, nkeys, kind, op, batch,
+                                      start, rid, deadline, timeout, now, self._calls, link)
+            start += share
+            if not link.kick:
+                link.kick = True
+                loop.call_soon(self._kick, link)
+        self._next_id = rid
+        expiry = deadline + LOCAL_GRACE_S
+        self._batches[batch.first] = batch
+        heapq.heappush(self._deadlines, (expiry, -batch.first))
+        if expiry < self._timer_at:
+            self._arm(expiry)
+        elif len(self._deadlines) > 4 * len(self._calls) + 4096:
+            self._compact()
+        return batch
+
+    def _shares(self, n: int) -> list[tuple[Link, int]]:
+        """How many of `n` new calls each live broker gets: the fewest outstanding first (water-filling)."""
+        live = self._live
+        if len(live) == 1:
+            return [(live[0], n)]
+        if not live:
+            return [(self._rng.choice(self._links), n)]
+        loads = sorted(live, key=lambda link: len(link.outstanding))
+        level = (sum(len(link.outstanding) for link in loads) + n) / len(loads)
+        shares, left = [], n
+        for link in loads:
+            share = min(left, max(0, int(level - len(link.outstanding))))
+            shares.append(share)
+            left -= share
+        shares[0] += left  # what rounding down left over goes to the least loaded
+        return list(zip(loads, shares))
+
+    def _compact(self) -> None:
+        """Answered calls' deadline entries, dropped now and then."""
+        heap = self._deadlines
+        heap[:] = [(c.deadline + LOCAL_GRACE_S, c.id) for c in self._calls.values()]
+        self._batches.clear()  # their calls have entries of their own now
+        heapq.heapify(heap)
+
+    def new_id(self) -> int:
+        rid = self._next_id
+        self._next_id = rid + 1
+        return rid
+
+    async def call(self, body: dict, timeout: float) -> dict:
+        """Any request body (an op's fields); the reply map, ok or not; `Unavailable` if none came."""
+        call = self.submit(*head_of(body), _codec.KIND_RAW, str(body.get("op")), timeout)
         try:
             return await call.future
         except BaseException:
@@ -143,6 +212,19 @@ class Core:
         """Forget a call whose caller stopped waiting (cancelled); nothing if it is settled already."""
         if self._calls.pop(call.id, None) is not None:
             self._forget(call)
+
+    def settled_batch(self, batch: Batch) -> None:
+        """A batch whose every call settled: its deadline entry goes."""
+        self._batches.pop(batch.first, None)
+
+    def discard_batch(self, batch: Batch) -> None:
+        """Forget the calls of a batch whose caller stopped waiting (cancelled)."""
+        self._batches.pop(batch.first, None)
+        calls = self._calls
+        for rid in range(batch.first, batch.first + len(batch.results)):
+            call = calls.pop(rid, None)
+            if call is not None:
+                self._forget(call)
 
     def _enter(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
@@ -159,10 +241,7 @@ class Core:
         return min(live, key=lambda link: len(link.outstanding))
 
     def _send(self, call: Call, link: Link, now: float) -> None:
-        body = call.body
-        ms = int((call.deadline - now) * 1000)
-        body["deadline_ms"] = ms if 0 < ms <= MAX_DEADLINE_MS else (1 if ms < 1 else MAX_DEADLINE_MS)
-        payload = _encode(body) if call.plain else self._packer.pack(body)
+        payload = call.payload(now)  # its fields as packed once, its id, what is left of its deadline
         if not link.outstanding:
             link.busy_since = now
         link.outstanding[call.id] = call
@@ -171,12 +250,7 @@ class Core:
         self._queue(link, call, payload)
 
     def _queue(self, link: Link, call: Call | None, payload: bytes) -> None:
-        """Hold a request for this loop turn's frame to the link; the first one schedules the flush.
-
-        A frame holds at most COALESCE_MAX_CALLS requests and COALESCE_MAX_BYTES bytes (a larger
-        request goes alone), so it stays far under any broker's --max-request-bytes."""
-        if link.outbox and (len(link.outbox) >= COALESCE_MAX_CALLS or link.outbox_bytes + len(payload) > COALESCE_MAX_BYTES):
-            self._flush(link)
+        """Hold a request for this loop turn's frames to the link; the first one schedules the flush."""
         link.outbox.append(payload)
         link.outbox_calls.append(call)
         link.outbox_bytes += len(payload)
@@ -185,20 +259,20 @@ class Core:
             self._loop.call_soon(self._kick, link)  # type: ignore[union-attr]
 
     def _flush(self, link: Link) -> None:
-        """Send what the link holds: one request as its map, several as one MessagePack array of
-        them (contract 1.2), built from their packed bytes. Calls cancelled or expired since go not."""
-        pending = self._calls
-        # A cancelled call's future is done at once, before its task has run to forget it.
-        payloads = [p for c, p in zip(link.outbox_calls, link.outbox) if c is None or (c.id in pending and not c.future.done())]
+        """Send what the link holds: one request as its map, several as MessagePack arrays of them
+        (contract 1.2), each frame at most COALESCE_MAX_CALLS requests and COALESCE_MAX_BYTES bytes
+        (a larger request goes alone), so it stays far under any broker's --max-request-bytes.
+        Calls cancelled or expired since go not."""
+        out = _codec.frames(link.outbox_calls, link.outbox, self._calls, COALESCE_MAX_CALLS, COALESCE_MAX_BYTES)
         link.outbox, link.outbox_calls, link.outbox_bytes = [], [], 0
-        if not payloads:
-            return
-        frame = payloads[0] if len(payloads) == 1 else self._packer.pack_array_header(len(payloads)) + b"".join(payloads)
-        link.frames += 1
-        try:  # one frame, no delimiter frame: the reply then has one frame too, half the frames
-            link.sock.send(frame, _NOBLOCK)  # type: ignore[union-attr]
-        except zmq.Again:  # not with a connected DEALER and SNDHWM 0; were it so, the frame is lost
-            pass  # like one the network lost: liveness re-sends its calls, or their deadlines fail them
+        sock = link.sock
+        send = _SEND  # the compiled send itself: pyzmq's Python wrapper only picks copy or not, by size
+        for frame in out:
+            link.frames += 1
+            try:  # one frame, no delimiter frame: the reply then has one frame too, half the frames
+                send(sock, frame, _NOBLOCK, len(frame) < _COPY_THRESHOLD)
+            except zmq.Again:  # not with a connected DEALER and SNDHWM 0; were it so, the frame is lost
+                pass  # like one the network lost: liveness re-sends its calls, or their deadlines fail them
 
     def _kick(self, link: Link) -> None:
         """Once per loop turn after calls were made: send them (one frame), then, since ZeroMQ's
@@ -208,25 +282,22 @@ class Core:
         sock = link.sock
         if sock is not None and link.outbox:
             self._flush(link)
-            if cast(int, sock.get(_EVENTS)) & _POLLIN:
+            if sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
                 self._drain(link)
 
     def _drain(self, link: Link) -> None:
         """Take in every frame waiting (the loop's reader calls this when the descriptor is
-        readable). Receiving until `Again` leaves the descriptor armed for the next frame; a
-        receive that settled calls schedules the link's send behind the callers it woke (see
-        the module's docstring)."""
+        readable). Reading EVENTS until it says no more leaves the descriptor armed for the next
+        frame, without the `Again` a receive would raise (an exception and an import in pyzmq,
+        a third of a one-reply wake-up's cost); a receive that settled calls schedules the link's
+        send behind the callers it woke (see the module's docstring)."""
         sock = link.sock
         if sock is None:
             return
-        recv = sock.recv
+        recv, events = sock.recv, sock.get
         settled = 0
-        while True:
-            try:
-                payload = recv(_NOBLOCK)
-            except zmq.Again:
-                break
-            settled += self._on_frame(link, payload)
+        while events(_EVENTS) & _POLLIN:  # type: ignore[operator]
+            settled += self._on_frame(link, recv(_NOBLOCK))
             if link.sock is not sock:  # pragma: no cover - nothing on the receive path reconnects
                 return
         if settled and not link.kick:
@@ -234,55 +305,34 @@ class Core:
             self._loop.call_soon(self._kick, link)  # type: ignore[union-attr]
 
     def _on_frame(self, link: Link, payload: bytes) -> int:
-        """One frame: a reply map, or (to a client that sent arrays) an array of them, decoded in
-        one go; how many calls it settled. Requests go without a delimiter, so each frame is a
-        payload alone."""
+        """One frame: a reply map, or (to a client that sent arrays) an array of them, read and
+        settled in compiled code (`_codec.settle`); what needs policy comes back here: ids not
+        pending (probes, late replies) and `overloaded`. How many calls it settled."""
         now = self._loop.time()  # type: ignore[union-attr]
         link.heard = now
         if not payload:  # a delimiter: not ours to send, yet harmless to skip
             return 0
         if not link.alive:
             self._revive(link)
+        odd: list = []
         try:
-            replies = _decode(payload)  # int keys too: columnar stream replies key `stops` by index
+            settled = _codec.settle(payload, self._calls, odd)
         except Exception:  # not ours to judge: a reply we cannot read is dropped like a stray one
             link.dropped += 1
             return 0
-        if type(replies) is dict:
-            replies = (replies,)
-        elif type(replies) is not list:
-            link.dropped += 1
-            return 0
-        calls = self._calls
-        settled = 0
-        for reply in replies:
-            if type(reply) is not dict:
-                link.dropped += 1
-                continue
-            rid: Any = reply.get("id")
-            try:
-                call = calls.get(rid)
-            except TypeError:  # an unhashable id: not one of ours
-                call = None
-            if call is None:
-                if rid is not None and rid == link.probe_id:
-                    link.probe_id = None
-                else:
-                    link.dropped += 1
-                continue
-            if reply.get("ok") is not True and (reply.get("error") or {}).get("code") == "overloaded":
+        for rid, reply in odd:
+            call = self._calls.get(rid) if type(rid) is int else None
+            if call is not None:  # overloaded: retried after a backoff while the deadline allows
                 if self._backoff(call, link, now):
                     continue
-            del calls[rid]
-            owner = call.link
-            if owner is not None:
-                owner.outstanding.pop(rid, None)
-            if call.retry is not None:
-                call.retry.cancel()
-            future = call.future
-            if not future.done():
-                future.set_result(reply)
+                del self._calls[rid]
+                self._forget(call)
+                call.settle(reply)
                 settled += 1
+            elif rid is not None and rid == link.probe_id:
+                link.probe_id = None
+            else:
+                link.dropped += 1
         return settled
 
     def _forget(self, call: Call) -> None:
@@ -329,6 +379,14 @@ class Core:
         heap = self._deadlines
         while heap and heap[0][0] <= now:
             _, rid = heapq.heappop(heap)
+            if rid < 0:  # a batch's calls share its deadline
+                batch = self._batches.pop(-rid, None)
+                if batch is not None:
+                    for each in range(batch.first, batch.first + len(batch.results)):
+                        call = self._calls.get(each)
+                        if call is not None and call.deadline + LOCAL_GRACE_S <= now:
+                            self._expire(call)
+                continue
             call = self._calls.get(rid)
             if call is not None and call.deadline + LOCAL_GRACE_S <= now:
                 self._expire(call)
@@ -339,10 +397,8 @@ class Core:
     def _expire(self, call: Call) -> None:
         del self._calls[call.id]
         self._forget(call)
-        if not call.future.done():
-            tried = ", ".join(link.endpoint for link in self._links)
-            call.future.set_exception(Unavailable(
-                "unavailable", f"no broker answered {call.body.get('op')!r} within {call.timeout:g} s (tried {tried})"))
+        tried = ", ".join(link.endpoint for link in self._links)
+        call.fail(Unavailable("unavailable", f"no broker answered {call.op!r} within {call.timeout:g} s (tried {tried})"))
 
     # --- liveness ------------------------------------------------------------------------
 
@@ -375,10 +431,9 @@ class Core:
             self._probe(link, now)
 
     def _probe(self, link: Link, now: float) -> None:
-        link.probe_id = next(self._ids)
+        link.probe_id = self.new_id()
         link.probe_sent = now
-        ping = {"id": link.probe_id, "op": "ping", "deadline_ms": max(1, int(self._liveness * 1000))}
-        self._queue(link, None, self._packer.pack(ping))
+        self._queue(link, None, _codec.request(_PING, 1, link.probe_id, max(1, int(self._liveness * 1000))))
 
     def _leave(self, link: Link, now: float) -> None:
         link.alive = False
@@ -461,8 +516,7 @@ class Core:
         for call in list(self._calls.values()):
             self._calls.pop(call.id, None)
             self._forget(call)
-            if not call.future.done():
-                call.future.set_exception(Unavailable("unavailable", "the client was closed"))
+            call.fail(Unavailable("unavailable", "the client was closed"))
         if self._watcher is not None:
             self._watcher.cancel()
         if self._timer is not None:

@@ -1,4 +1,4 @@
-"""One pending call and one broker endpoint as the engine (`_client_core`) keeps them.
+"""One broker endpoint as the engine (`_client_core`) keeps it (a pending call is `_codec.Call`).
 
 A `Link` is a broker's DEALER socket (a plain, synchronous `zmq.Socket`: the engine waits on its
 descriptor with the event loop's own reader, and sends and receives without blocking, so no call
@@ -14,21 +14,7 @@ from typing import Any
 import zmq
 
 from ._client_keys import CurveKeys
-
-
-@dataclass(eq=False, slots=True)
-class Call:
-    """One pending call: its body (sent again on failover or retry), future and timers."""
-
-    id: int
-    body: dict
-    future: asyncio.Future
-    deadline: float  # loop time
-    timeout: float
-    link: "Link | None" = None
-    retry: asyncio.TimerHandle | None = None
-    attempts: int = 0
-    plain: bool = False  # the body holds plain values only: packed by msgspec (see _client_core)
+from ._codec import Call
 
 
 @dataclass(frozen=True)

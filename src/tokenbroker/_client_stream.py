@@ -203,6 +203,13 @@ class StreamBook(Generic[K]):
     def keys(self) -> list[K]:
         return list(self._order) + list(self._first)
 
+    @property
+    def order(self) -> list[K]:
+        """The sequences that have a state, in the order their states are held (the last reply's):
+        the list to pass to `step_columns` as it is, so the step sends the buffer untouched.
+        Read it again after a step that finished or added sequences."""
+        return self._order
+
     def _where(self) -> dict[K, int]:
         if self._index is None:
             self._index = dict(zip(self._order, range(len(self._order))))
@@ -329,6 +336,50 @@ class StreamBook(Generic[K]):
                 columns["final"] = bytes(flags)
         return _Plan(col_keys, columns, row_keys, seqs, same)
 
+    def plan_columns(self, keys: Sequence[K], tokens: Any, lengths: Any = None, final: Any = None) -> _Plan:
+        """One step given as columns (see `step_columns`): no map per sequence on the way out."""
+        n = len(keys)
+        ids = _u32_wire(tokens)
+        counts = _ONES.get(n) or _ones(n) if lengths is None else _u32_wire(lengths)
+        if len(counts) != 4 * n:
+            raise ValueError(f"lengths: give one per key ({n}), got {len(counts) // 4}")
+        if lengths is None and len(ids) != 4 * n:
+            raise ValueError(f"tokens: give one id per key ({n}) or their lengths, got {len(ids) // 4} ids")
+        flags = None
+        if final is not None:
+            flags = bytes(final) if not isinstance(final, bytes) else final
+            if len(flags) != n:
+                raise ValueError(f"final: give one flag per key ({n}), got {len(flags)}")
+            if flags.count(0) == n:
+                flags = None
+        if not self.columnar or (self._first and any(self._first.get(k) for k in keys)):
+            # a first step with options goes in the row form: the dict helper's way, for this step only
+            cut = _pieces(_u32s(ids), _u32s(counts))
+            return self.plan(dict(zip(keys, cut)), [k for k, f in zip(keys, flags or b"") if f])
+        if keys is self._order or keys == self._order:  # the common step: every open sequence, the buffer's order
+            col_keys = self._order if keys is self._order else list(keys)
+            states, state_lengths, same = self._states, self._state_lengths, True
+        else:
+            where, first = self._where(), self._first
+            col_keys = list(keys)
+            pieces = self._state_pieces()
+            chosen = []
+            for k in col_keys:
+                at = where.get(k)
+                if at is not None:
+                    chosen.append(pieces[at])
+                elif k in first:
+                    chosen.append(b"")
+                else:
+                    raise KeyError(f"sequence {k!r} is not open (finished sequences are dropped; open it first)")
+            if len(set(col_keys)) != n:
+                raise ValueError("keys: each sequence at most once a step")
+            states, state_lengths, same = b"".join(chosen), _u32(map(len, chosen)), False
+        columns = {"tokens": ids, "lengths": counts, "states": states, "state_lengths": state_lengths}
+        if flags is not None:
+            columns["final"] = flags
+        return _Plan(col_keys, columns, [], [], same)
+
     def take(self, plan: _Plan, col_reply: dict | None, row_reply: dict | None) -> StreamStep[K]:
         """The step's deltas from its replies (both ok); the book moves on only now."""
         rows: list[StreamDelta] = []
@@ -356,6 +407,28 @@ class StreamBook(Generic[K]):
             new.update(row_states)
             self._after(list(new), new)
         return StreamStep(plan.col_keys, text, text_lengths, finished, stops, plan.row_keys, rows)
+
+
+_ONES: dict[int, bytes] = {}
+
+
+def _ones(n: int) -> bytes:
+    """n little-endian uint32 ones (one id per sequence), kept for the next step of as many."""
+    if len(_ONES) > 64:
+        _ONES.clear()
+    ones = _ONES[n] = _u32([1]) * n
+    return ones
+
+
+def _u32_wire(values: Any) -> bytes:
+    """Ids or counts as a little-endian u32 bin: an array('I') or bytes as they are, else packed."""
+    if type(values) is bytes:
+        return values
+    if isinstance(values, array) and values.typecode == "I" and _LITTLE:
+        return values.tobytes()
+    if isinstance(values, (bytearray, memoryview)):
+        return bytes(values)
+    return _u32(values)
 
 
 def _ids_columns(values: list) -> tuple[bytes, bytes]:
@@ -399,7 +472,25 @@ class AsyncDetokenizeStream(StreamBook[K]):
 
     async def step(self, steps: Mapping[K, IdsIn], *, final: Iterable[K] = (),
                    timeout: float | None = None) -> StreamStep[K]:
-        plan = self.plan(steps, final)
+        return await self._send_plan(self.plan(steps, final), timeout)
+
+
+    async def step_columns(self, keys: Sequence[K], tokens: Any, lengths: Any = None, *, final: Any = None,
+                           timeout: float | None = None) -> StreamStep[K]:
+        """One step for many sequences given as columns: `keys` in order, `tokens` every one's new
+        ids concatenated (an array('I'), u32 bytes or a list of int), `lengths` how many each has
+        (None: one id each), `final` one flag per key (bytes or a list of bool; None: none ends).
+        Passing the same `keys` list every step (`stream.keys()` or `stream.order`) sends the
+        states buffer as the last reply gave it: no map, no state and no key is touched per
+        sequence. The step's texts are `result.texts()`, in `keys` order."""
+        plan = self.plan_columns(keys, tokens, lengths, final)
+        if plan.seqs:  # a first step with options: the dict helper's two requests
+            return await self._send_plan(plan, timeout)
+        t = timeout if timeout is not None else self._timeout
+        reply = _checked(await self._call(_request(self._model, {"columns": plan.columns}), t), plan.col_keys)
+        return self.take(plan, reply, None)
+
+    async def _send_plan(self, plan: _Plan, timeout: float | None) -> StreamStep[K]:
         t = timeout if timeout is not None else self._timeout
         calls = []
         if plan.columns is not None:
@@ -424,7 +515,14 @@ class DetokenizeStream(StreamBook[K]):
 
     def step(self, steps: Mapping[K, IdsIn], *, final: Iterable[K] = (),
              timeout: float | None = None) -> StreamStep[K]:
-        plan = self.plan(steps, final)
+        return self._send_plan(self.plan(steps, final), timeout)
+
+    def step_columns(self, keys: Sequence[K], tokens: Any, lengths: Any = None, *, final: Any = None,
+                     timeout: float | None = None) -> StreamStep[K]:
+        """`AsyncDetokenizeStream.step_columns`, for `Client`."""
+        return self._send_plan(self.plan_columns(keys, tokens, lengths, final), timeout)
+
+    def _send_plan(self, plan: _Plan, timeout: float | None) -> StreamStep[K]:
         t = timeout if timeout is not None else self._timeout
         # a step with first steps that carry options needs two requests: sent one after the other here
         row = _checked(self._call(_request(self._model, {"seqs": plan.seqs}), t), plan.row_keys) if plan.seqs else None

@@ -101,9 +101,12 @@ class Client:
 
     tokenize = _sync(AsyncClient.tokenize)
     tokenize_batch = _sync(AsyncClient.tokenize_batch)
+    tokenize_many = _sync(AsyncClient.tokenize_many)
     detokenize = _sync(AsyncClient.detokenize)
     detokenize_batch = _sync(AsyncClient.detokenize_batch)
+    detokenize_many = _sync(AsyncClient.detokenize_many)
     chat = _sync(AsyncClient.chat)
+    chat_many = _sync(AsyncClient.chat_many)
     count = _sync(AsyncClient.count)
     models = _sync(AsyncClient.models)
     ping = _sync(AsyncClient.ping)
