@@ -10,6 +10,7 @@ from setuptools import Extension, setup
 # (module, source): the package-dir mapping of pyproject.toml, applied by hand (Extension needs paths).
 CORES = [
     ("tokenbroker.common._wire", "common/_wire.pyx"),
+    ("tokenbroker.workers._core", "workers/_core.pyx"),
 ]
 
 setup(

@@ -73,19 +73,20 @@ class FastEngine:
 
     def encode_u32(self, texts: list[str], add_special_tokens: bool = True) -> list[bytes]:
         """Each text's ids as little-endian uint32 bytes, cut from one flat buffer: no int per id."""
-        view, ends = self.encode_flat(texts, add_special_tokens)
-        return [bytes(view[4 * ends[i]:4 * ends[i + 1]]) for i in range(len(texts))]
-
-    def encode_flat(self, texts: list[str], add_special_tokens: bool = True) -> tuple[memoryview, array]:
-        """All texts' ids as one little-endian uint32 buffer (a byte view) and where each text's ids
-        end in it (`ends[i]:ends[i + 1]`, counted in ids): replies are packed from it (Ops) without a
-        copy per text or a Python int per id."""
-        flat, offsets = self.raw.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
+        flat, offsets = self.encode_flat(texts, add_special_tokens)
         ends = array("Q")
         ends.frombytes(offsets)
         if not _LITTLE:  # pragma: no cover - the buffers are little-endian whatever the host
             ends.byteswap()
-        return memoryview(flat).cast("B"), ends
+        return [flat[4 * ends[i]:4 * ends[i + 1]] for i in range(len(texts))]
+
+    def encode_flat(self, texts: list[str], add_special_tokens: bool = True) -> tuple[bytes, bytes]:
+        """All texts' ids as one little-endian uint32 buffer, and where each text's ids end in it
+        (text i's are ids ends[i]:ends[i + 1], ends little-endian uint64s): the engine's own two
+        buffers, which the worker's replies are written from (workers/_core.pyx pack_tokens)
+        without a copy per text or a Python int per id."""
+        flat, offsets = self.raw.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
+        return flat, offsets
 
     def encode_ordinary(self, text: str) -> list[int]:
         return self.raw.encode_ordinary(text).ids
