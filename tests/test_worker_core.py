@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import BERT_DIR
-from tokenbroker.common.config import ModelConfig, ModelSpec
+from tokenbroker.common.config import CacheConfig, ModelConfig, ModelSpec
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import NIL, parse_request
 from tokenbroker.workers._core import pack_tokens, read_plain
@@ -169,3 +169,19 @@ def test_the_reply_budget_edges_are_the_general_paths(registry):
             (_, outcome, reply), = ops.run([PendingJob(0, 0, time.monotonic(), payload)])
             assert (reply, outcome) == alone._serve(parse_request(payload), len(payload)), (limit, size)
             assert outcome == ("ok" if limit >= size else "too_large")
+
+
+@pytest.mark.parametrize("cache", [CacheConfig(l0_enabled=True), CacheConfig(l0_enabled=True, l1_enabled=True)], ids=["l0", "l0+l1"])
+def test_with_caches_the_fields_read_in_c_are_served_as_the_parsed_request(cache):
+    """A model with caches: the plain requests go through them from the fields read_plain gave, and
+    the replies (their `cache` fields too) equal the parsed requests' served in the same order."""
+    def make() -> Ops:
+        registry = ModelRegistry(ModelConfig(models=(ModelSpec("m", "embedded:deepseek"),), cache=cache))
+        return Ops(registry, "w")
+    payloads = _payloads()
+    payloads += payloads[::5]  # again: L0 hits
+    ops, alone = make(), make()
+    out = ops.run([PendingJob(i, 0, time.monotonic(), p) for i, p in enumerate(payloads)])
+    for (_, outcome, reply), payload in zip(out, payloads):
+        assert (reply, outcome) == alone._serve(parse_request(payload), len(payload)), msgpack.unpackb(payload)
+    assert any(msgpack.unpackb(reply)["cache"]["l0"] == "hit" for _, _, reply in out)

@@ -124,10 +124,11 @@ class Ops:
         With lanes set, a chat job only starts its render here, and a plain tokenize of a long text
         its encode: `finish_deferred` answers them.
 
-        A plain tokenize (one text or a batch of them, of a model with its caches off) is read by the
-        compiled reader (workers/_core.pyx `read_plain`: no dict, no parse of the common fields in
-        Python), encoded with the others of its model in one batch call (which releases the GIL), and
-        answered by `pack_tokens` straight from the engine's u32 buffer. The rest are parsed and served
+        A plain tokenize (one text or a batch of them) is read by the compiled reader
+        (workers/_core.pyx `read_plain`: no dict, no parse of the common fields in Python). Of a
+        model with its caches off, it is encoded with the others of its model in one batch call
+        (which releases the GIL) and answered by `pack_tokens` straight from the engine's u32
+        buffer; of a model with caches, served through them from the fields read (`op_tokenize`). The rest are parsed and served
         one by one, by `_serve`, which gives the same replies byte for byte (tests check). `run` is
         the one entry point: the worker calls it, and so do the tests.
         """
@@ -149,7 +150,13 @@ class Ops:
             plain = read_plain(job.payload)
             if plain is not None:
                 text, name, u32, add_special, rid = plain
-                model = models[name] if name in models else models.setdefault(name, self._batch_model(name))
+                model = models[name] if name in models else models.setdefault(name, self._known_model(name))
+                if model is not None and model.cache.enabled:  # through its caches, from the fields read here
+                    request = Request("tokenize", name, None, None, "u32" if u32 else "list",
+                                      {"text": text, "add_special_tokens": add_special}, rid)
+                    reply, outcome = self._serve(request, len(job.payload), deadline=job.deadline())
+                    out[i] = (job.job_id, outcome, reply)
+                    continue
                 if model is not None and (type(text) is str or len(text) <= self.limits.max_batch_items):
                     key = (id(model), add_special)
                     group = groups.get(key)
@@ -175,14 +182,18 @@ class Ops:
         reply, outcome = self._serve(request, len(job.payload), deadline=job.deadline())
         return job.job_id, outcome, reply
 
+    def _known_model(self, name: str | None) -> Model | None:
+        """The model requests naming `name` are served by, or None (the general way says why not)."""
+        try:
+            return self.registry.resolve(name)
+        except ProtocolError:
+            return None
+
     def _batch_model(self, name: str | None) -> Model | None:
         """The model a batch encode serves exactly for requests naming `name`, else None (unknown
         names, and models with caches on, go the general way, which says or counts why)."""
-        try:
-            model = self.registry.resolve(name)
-        except ProtocolError:
-            return None
-        return None if model.cache.enabled else model
+        model = self._known_model(name)
+        return None if model is None or model.cache.enabled else model
 
     def _plain_tokenize_model(self, request: Request) -> Any:
         """The model of a parsed tokenize request that a batch encode serves exactly, else None."""
