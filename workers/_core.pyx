@@ -207,27 +207,27 @@ cdef inline Py_ssize_t _uint_size(unsigned long long n) noexcept nogil:
     return 9
 
 
+cdef inline unsigned char* _put_be(unsigned char* o, unsigned char code, unsigned long long n, int width) noexcept nogil:
+    """A MessagePack header byte, then n in `width` bytes big-endian."""
+    cdef int i
+    o[0] = code
+    for i in range(width):
+        o[width - i] = <unsigned char>(n >> (8 * i))
+    return o + 1 + width
+
+
 cdef inline unsigned char* _put_uint(unsigned char* o, unsigned long long n) noexcept nogil:
     """n in its shortest MessagePack form (as msgpack packs a Python int >= 0)."""
-    cdef int width, i
     if n < 128:
         o[0] = <unsigned char>n
         return o + 1
     if n < 256:
-        o[0] = 0xcc
-        width = 1
-    elif n < 65536:
-        o[0] = 0xcd
-        width = 2
-    elif (n >> 32) == 0:
-        o[0] = 0xce
-        width = 4
-    else:
-        o[0] = 0xcf
-        width = 8
-    for i in range(width):
-        o[width - i] = <unsigned char>(n >> (8 * i))
-    return o + 1 + width
+        return _put_be(o, 0xcc, n, 1)
+    if n < 65536:
+        return _put_be(o, 0xcd, n, 2)
+    if (n >> 32) == 0:
+        return _put_be(o, 0xce, n, 4)
+    return _put_be(o, 0xcf, n, 8)
 
 
 cdef inline unsigned char* _put_array(unsigned char* o, Py_ssize_t n) noexcept nogil:
@@ -235,35 +235,14 @@ cdef inline unsigned char* _put_array(unsigned char* o, Py_ssize_t n) noexcept n
     if n < 16:
         o[0] = 0x90 | <unsigned char>n
         return o + 1
-    if n < 65536:
-        o[0] = 0xdc
-        o[1] = <unsigned char>(n >> 8)
-        o[2] = <unsigned char>n
-        return o + 3
-    o[0] = 0xdd
-    o[1] = <unsigned char>(n >> 24)
-    o[2] = <unsigned char>(n >> 16)
-    o[3] = <unsigned char>(n >> 8)
-    o[4] = <unsigned char>n
-    return o + 5
+    return _put_be(o, 0xdc, n, 2) if n < 65536 else _put_be(o, 0xdd, n, 4)
 
 
 cdef inline unsigned char* _put_bin(unsigned char* o, Py_ssize_t n) noexcept nogil:
+    """A bin header in its shortest form (bin 8, 16, 32)."""
     if n < 256:
-        o[0] = 0xc4
-        o[1] = <unsigned char>n
-        return o + 2
-    if n < 65536:
-        o[0] = 0xc5
-        o[1] = <unsigned char>(n >> 8)
-        o[2] = <unsigned char>n
-        return o + 3
-    o[0] = 0xc6
-    o[1] = <unsigned char>(n >> 24)
-    o[2] = <unsigned char>(n >> 16)
-    o[3] = <unsigned char>(n >> 8)
-    o[4] = <unsigned char>n
-    return o + 5
+        return _put_be(o, 0xc4, n, 1)
+    return _put_be(o, 0xc5, n, 2) if n < 65536 else _put_be(o, 0xc6, n, 4)
 
 
 cdef inline unsigned char* _put_int_list(unsigned char* o, const unsigned char* flat, Py_ssize_t a, Py_ssize_t b) noexcept nogil:

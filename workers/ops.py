@@ -112,7 +112,7 @@ class Ops:
         self.limits = registry.limits
         self.deadline = float("inf")  # of the job being served (time.monotonic()); batches stop past it
         self.payload_bytes = 0  # of the job being served: what detokenize_stream's free reply bound reads
-        self._tails: dict[str, bytes] = {}  # _packed_replies' fixed reply ends, by the `cache` map's l0
+        self._tails: dict[str, bytes] = {}  # pack_tokens' fixed reply ends (`_tail`), by the `cache` map's l0
         caches = registry.cache_config
         self.tokenin = Tokenin(CHAIN_MEMO_BYTES if caches.l0_enabled or caches.l1_enabled else 0)
         # Set by the worker: chats render, and long texts encode, off its round loop (workers/background.py).
