@@ -11,6 +11,7 @@ from setuptools import Extension, setup
 CORES = [
     ("tokenbroker.common._wire", "common/_wire.pyx"),
     ("tokenbroker.broker._core", "broker/_core.pyx"),
+    ("tokenbroker.workers._core", "workers/_core.pyx"),
     ("tokenbroker.workers.cache._cache", "workers/cache/_cache.pyx"),
     ("tokenbroker._codec", "src/tokenbroker/_codec.pyx"),
 ]

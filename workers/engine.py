@@ -92,26 +92,30 @@ class FastEngine:
 
     def encode_u32(self, texts: list[str], add_special_tokens: bool = True) -> list[bytes]:
         """Each text's ids as little-endian uint32 bytes, cut from one flat buffer: no int per id."""
-        view, ends = self.encode_flat(texts, add_special_tokens)
-        return [bytes(view[4 * ends[i]:4 * ends[i + 1]]) for i in range(len(texts))]
+        flat, offsets = self.encode_flat(texts, add_special_tokens)
+        ends = array("Q")
+        ends.frombytes(offsets)
+        if not _LITTLE:  # pragma: no cover - the buffers are little-endian whatever the host
+            ends.byteswap()
+        return [flat[4 * ends[i]:4 * ends[i + 1]] for i in range(len(texts))]
 
-    def encode_flat(self, texts: list[str], add_special_tokens: bool = True) -> tuple[memoryview, array]:
-        """All texts' ids as one little-endian uint32 buffer (a byte view) and where each text's ids
-        end in it (`ends[i]:ends[i + 1]`, counted in ids): replies are packed from it (Ops) without a
-        copy per text or a Python int per id."""
+    def encode_flat(self, texts: list[str], add_special_tokens: bool = True) -> tuple[bytes, bytes]:
+        """All texts' ids as one little-endian uint32 buffer, and where each text's ids end in it
+        (text i's are ids ends[i]:ends[i + 1], ends little-endian uint64s): the engine's own two
+        buffers, which the worker's replies are written from (workers/_core.pyx pack_tokens)
+        without a copy per text or a Python int per id. A guarded text's ids are the reference's."""
         flat, offsets = self.raw.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
+        if self.guard and any(self.guarded(t) for t in texts):
+            return self._splice(texts, flat, offsets, add_special_tokens)
+        return flat, offsets
+
+    def _splice(self, texts: list[str], flat: bytes, offsets: bytes, add_special_tokens: bool) -> tuple[bytes, bytes]:
+        """The two buffers again, with the reference's ids for the guarded texts (rare: one copy)."""
         ends = array("Q")
         ends.frombytes(offsets)
         if not _LITTLE:  # pragma: no cover - the buffers are little-endian whatever the host
             ends.byteswap()
         view = memoryview(flat).cast("B")
-        if self.guard and any(self.guarded(t) for t in texts):
-            return self._splice(texts, view, ends, add_special_tokens)
-        return view, ends
-
-    def _splice(self, texts: list[str], view: memoryview, ends: array,
-                add_special_tokens: bool) -> tuple[memoryview, array]:
-        """The flat buffer again, with the reference's ids for the guarded texts (rare: one copy)."""
         parts: list[bytes | memoryview] = []
         out = array("Q", [0])
         for i, text in enumerate(texts):
@@ -121,7 +125,9 @@ class FastEngine:
                 part = view[4 * ends[i]:4 * ends[i + 1]]
             parts.append(part)
             out.append(out[-1] + len(part) // 4)
-        return memoryview(b"".join(parts)), out
+        if not _LITTLE:  # pragma: no cover
+            out.byteswap()
+        return b"".join(parts), out.tobytes()
 
     def encode_ordinary(self, text: str) -> list[int]:
         if self.guard and self.guarded(text):

@@ -103,13 +103,24 @@ def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
 
 
 def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
-    """sock.recv_multipart(zmq.NOBLOCK, copy=False) through the Cython recv: zmq.Again when nothing waits."""
+    """sock.recv_multipart(zmq.NOBLOCK, copy=False) through the Cython recv: zmq.Again when nothing
+    waits (`readable` says so first, without the exception's ~4 us)."""
     frame = _raw_recv(sock, _NOBLOCK, False)
     frames = [frame]
     while frame.more:  # the rest of a multipart message is there once its first frame is
         frame = _raw_recv(sock, _NOBLOCK, False)
         frames.append(frame)
     return frames
+
+
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_raw_get: Any = zmq.backend.Socket.get
+
+
+def readable(sock: zmq.Socket) -> bool:
+    """Whether a message waits on `sock` now (ZMQ_EVENTS: ~1 us, where a recv that finds nothing
+    raises zmq.Again, ~4 us: the round loop asks once per message and once more at its end)."""
+    return bool(_raw_get(sock, _EVENTS) & _POLLIN)
 
 
 def build_ready(config: WorkerConfig, name: str, incarnation: str, registry: ModelRegistry) -> Ready:
@@ -295,10 +306,11 @@ class Worker:
         it is read once the model is gone (the broker sends in order)."""
         drained = False
         now = time.monotonic()
-        while len(jobs) < MAX_ROUND_JOBS:
+        sock = cast(zmq.Socket, self.sock)
+        while len(jobs) < MAX_ROUND_JOBS and readable(sock):
             try:
-                msg = recv_frames(cast(zmq.Socket, self.sock))
-            except zmq.Again:
+                msg = recv_frames(sock)
+            except zmq.Again:  # pragma: no cover - readable said a message waits
                 break
             # A large frame stays ZeroMQ's (a view): copying 30 MB would hold the GIL, and so every
             # other job, for tens of milliseconds; the encode lane reads it (Ops.run).

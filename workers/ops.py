@@ -11,9 +11,9 @@ import logging
 import sys
 import time
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, cast
 
 import msgpack
 
@@ -33,7 +33,8 @@ from tokenbroker.common.protocol import (
     type_name,
 )
 
-from .budget import ITEM_OVERHEAD, ReplyBudget
+from ._core import pack_tokens, read_plain
+from .budget import ReplyBudget
 from .cache import CacheOutcome
 from .background import Done, Lane
 from .count import count_request
@@ -76,7 +77,21 @@ class PendingJob:
         return self.received + self.budget_ms / 1000 if self.budget_ms else None
 
 
+BATCH_STEP = 256  # a batch with a deadline is encoded this many texts at a time (and stops past it)
+
+
+@dataclass(slots=True)
+class _Group:
+    """A round's plain tokenize jobs of one model and add_special_tokens: one batch encode.
+    Members: (index in the round, the text or the batch's texts, u32, the raw id)."""
+
+    model: Model
+    add_special: bool
+    members: list[tuple[int, Any, bool, bytes]] = field(default_factory=list)
+
+
 OFFLOAD_BYTES = 64 * 1024  # a tokenize payload longer than this is read, encoded and answered on the encode lane (~10 ms of work)
+PLAIN_READ_BYTES = 1 << 20  # the compiled reader decodes a lane's payload up to this size in one call (at most ~1 ms with the GIL)
 
 
 @dataclass(slots=True)
@@ -99,7 +114,7 @@ class Ops:
         self.limits = registry.limits
         self.deadline = float("inf")  # of the job being served (time.monotonic()); batches stop past it
         self.payload_bytes = 0  # of the job being served: what detokenize_stream's free reply bound reads
-        self._tails: dict[str, bytes] = {}  # _packed_replies' fixed reply ends, by the `cache` map's l0
+        self._tails: dict[str, bytes] = {}  # pack_tokens' fixed reply ends (`_tail`), by the `cache` map's l0
         caches = registry.cache_config
         self.tokenin = Tokenin(CHAIN_MEMO_BYTES if caches.l0_enabled or caches.l1_enabled else 0)
         # Set by the worker: jinja2 chat renders, and long texts encode, off its round loop (workers/background.py);
@@ -112,14 +127,20 @@ class Ops:
         With lanes set, a chat job only starts its render here, and a plain tokenize of a long text
         its encode: `finish_deferred` answers them.
 
-        Plain tokenize jobs of one model with its caches off go through one batch encode (which
-        releases the GIL); the rest are served one by one, by `_serve`, which the batch encode's
-        replies equal. `run` is the one entry point: the worker calls it, and so do the tests.
+        A plain tokenize (one text or a batch of them) is read by the compiled reader
+        (workers/_core.pyx `read_plain`: no dict, no parse of the common fields in Python). Of a
+        model with its caches off, it is encoded with the others of its model in one batch call
+        (which releases the GIL) and answered by `pack_tokens` straight from the engine's u32
+        buffer; of a model with caches, served through them from the fields read (`op_tokenize`). The rest are parsed and served
+        one by one, by `_serve`, which gives the same replies byte for byte (tests check). `run` is
+        the one entry point: the worker calls it, and so do the tests.
         """
         out: list[tuple[int, str, bytes] | None] = [None] * len(jobs)
-        groups: dict[tuple[int, bool], tuple[Any, list[tuple[int, Request]]]] = {}
+        groups: dict[tuple[int, bool], _Group] = {}
+        models: dict[str | None, Model | None] = {}  # this round's plain-path model per name
+        now = time.monotonic()
         for i, job in enumerate(jobs):
-            if job.budget_ms and (time.monotonic() - job.received) * 1000 > job.budget_ms:
+            if job.budget_ms and (now - job.received) * 1000 > job.budget_ms:
                 out[i] = (job.job_id, SKIPPED, b"")  # the broker answers `timeout` (now or already)
                 continue
             if self.encodes is not None and len(job.payload) > OFFLOAD_BYTES:
@@ -132,102 +153,136 @@ class Ops:
                     continue
             if type(job.payload) is not bytes:  # a large frame the worker took without copying
                 job.payload = bytes(job.payload)
-            try:
-                request = parse_request(job.payload)
-            except ProtocolError as e:
-                reply, code = self._error(raw_id(job.payload), e)
-                out[i] = (job.job_id, code, reply)
-                continue
-            if request.op == "chat" and self.renders is not None:
-                out[i] = self._defer_chat(job, request)
-                continue
-            if request.op == "count" and self.encodes is not None and wants_lane(request.payload, len(job.payload), self.registry):
-                self._defer_count(job, request)
-                continue
-            model = self._plain_tokenize_model(request)
-            if model is None:
-                reply, outcome = self._serve(request, len(job.payload),
-                                             deadline=job.deadline())
-                out[i] = (job.job_id, outcome, reply)
-                continue
-            add_special = request.payload.get("add_special_tokens") is not False
-            groups.setdefault((id(model), add_special), (model, []))[1].append((i, request))
-        for (_, add_special), (model, members) in groups.items():
-            self._encode_group(model, jobs, members, add_special, out)
+            plain = read_plain(job.payload)
+            if plain is not None:
+                text, name, u32, add_special, rid = plain
+                model = models[name] if name in models else models.setdefault(name, self._known_model(name))
+                if model is not None and model.cache.enabled:  # through its caches, from the fields read here
+                    request = Request("tokenize", name, None, None, "u32" if u32 else "list",
+                                      {"text": text, "add_special_tokens": add_special}, rid)
+                    reply, outcome = self._serve(request, len(job.payload), deadline=job.deadline())
+                    out[i] = (job.job_id, outcome, reply)
+                    continue
+                if model is not None and (type(text) is str or len(text) <= self.limits.max_batch_items):
+                    key = (id(model), add_special)
+                    group = groups.get(key)
+                    if group is None:
+                        group = groups[key] = _Group(model, add_special)
+                    group.members.append((i, text, u32, rid))
+                    continue
+            out[i] = self._general(job)
+        for group in groups.values():
+            self._encode_group(group, jobs, out)
         return [r for r in out if r is not None]  # deferred jobs are answered by finish_deferred
 
+    def _general(self, job: PendingJob) -> tuple[int, str, bytes] | None:
+        """A job the compiled path does not serve: parsed in Python and served by its op (a chat
+        may only start its render, and a large count goes to the encode lane: None)."""
+        try:
+            request = parse_request(cast(bytes, job.payload))
+        except ProtocolError as e:
+            reply, code = self._error(raw_id(cast(bytes, job.payload)), e)
+            return job.job_id, code, reply
+        if request.op == "chat" and self.renders is not None:
+            return self._defer_chat(job, request)
+        if request.op == "count" and self.encodes is not None and wants_lane(request.payload, len(job.payload), self.registry):
+            self._defer_count(job, request)
+            return None
+        reply, outcome = self._serve(request, len(job.payload), deadline=job.deadline())
+        return job.job_id, outcome, reply
+
+    def _known_model(self, name: str | None) -> Model | None:
+        """The model requests naming `name` are served by, or None (the general way says why not)."""
+        try:
+            return self.registry.resolve(name)
+        except ProtocolError:
+            return None
+
+    def _batch_model(self, name: str | None) -> Model | None:
+        """The model a batch encode serves exactly for requests naming `name`, else None (unknown
+        names, and models with caches on, go the general way, which says or counts why)."""
+        model = self._known_model(name)
+        return None if model is None or model.cache.enabled else model
+
     def _plain_tokenize_model(self, request: Request) -> Any:
-        """The model of a tokenize request that a batch encode serves exactly, else None."""
+        """The model of a parsed tokenize request that a batch encode serves exactly, else None."""
         p = request.payload
         if request.op != "tokenize" or type(p.get("text")) is not str or type(p.get("add_special_tokens", True)) not in (bool, type(None)):
             return None
         if asks_extras(p):
             return None
-        try:
-            model = self.registry.resolve(request.model)
-        except ProtocolError:
-            return None
-        return None if model.cache.enabled else model
+        return self._batch_model(request.model)
 
-    def _encode_group(self, model: Any, jobs: list[PendingJob], members: list[tuple[int, Request]],
-                      add_special: bool, out: list) -> None:
-        """One batch encode for the `u32` members, their replies packed straight from the engine's
-        buffer (`_packed_replies`), and one for the rest."""
-        packed = [m for m in members if m[1].tokens_format == "u32"]
-        listed = [m for m in members if m[1].tokens_format != "u32"] if packed else members
-        tok = model.tokenizer
-        off = CacheTally(self.registry.l0_enabled).to_wire()  # a cache-less model: nothing looked up
-        for part, u32 in ((packed, True), (listed, False)):
-            if not part:
+    def _encode_group(self, group: "_Group", jobs: list[PendingJob], out: list) -> None:
+        """One batch encode for the texts of a group's jobs (single texts and small batches alike, in
+        either tokens_format), each reply written by `pack_tokens` from the engine's buffer. A batch
+        of more than BATCH_STEP texts is encoded on its own in steps (`_encode_long_batch`), so it
+        stops once its deadline passes. A reply `pack_tokens` leaves (one the reply budget may refuse),
+        and every job of an encode the engine refuses, go the general way, which names the error."""
+        texts: list[str] = []
+        members = []
+        for member in group.members:
+            text = member[1]
+            if type(text) is str:
+                texts.append(text)
+            elif len(text) > BATCH_STEP and jobs[member[0]].budget_ms:
+                self._encode_long_batch(group, jobs[member[0]], member, out)
                 continue
-            texts = [r.payload["text"] for _, r in part]
-            try:
-                if u32:
-                    flat, ends = tok.encode_flat(texts, add_special_tokens=add_special)
-                else:
-                    results = tok.encode_many(texts, add_special_tokens=add_special)
-            except Exception:  # one text the batch call refuses: serve each alone, so only it fails
-                for i, request in part:
-                    reply, outcome = self._serve(request, len(jobs[i].payload))
-                    out[i] = (jobs[i].job_id, outcome, reply)
-                continue
-            if u32:
-                self._packed_replies(jobs, part, flat, ends, off, out)
-                continue
-            for (i, request), tokens in zip(part, results):
-                reply, outcome = self._tokens_reply(request, tokens, len(tokens), off)
-                out[i] = (jobs[i].job_id, outcome, reply)
-
-    def _packed_replies(self, jobs: list[PendingJob], part: list[tuple[int, Request]], flat: memoryview,
-                        ends: Sequence[int], off: dict, out: list) -> None:
-        """The u32 replies of one batch encode, each one join of fixed bytes and its slice of the
-        engine's buffer: the bytes `ok_reply` gives for the same fields (a test checks), at about a
-        microsecond a reply. A reply that may not fit --max-reply-bytes is built by `_tokens_reply`,
-        which charges the budget and names the error."""
-        limit = self.limits.max_reply_bytes
-        tail = self._tails.get(off["l0"])
-        if tail is None:  # the reply's last two fields, the same for every reply of a cache-less model
-            tail = self._tails[off["l0"]] = msgpack.packb({"cache": off, "worker": self.worker_name}, use_bin_type=True)[1:]
-        join = b"".join
-        for k, (i, request) in enumerate(part):
-            start, end = 4 * ends[k], 4 * ends[k + 1]
-            size = end - start
-            reply = join((_OK_TOKENS_HEAD, request.raw_id, _OK_TOKENS_BIN, _bin_head(size), flat[start:end],
-                          _COUNT_KEY, _uint(size >> 2), tail))
-            if size + ITEM_OVERHEAD > limit or len(reply) > limit:
-                reply, outcome = self._tokens_reply(request, bytes(flat[start:end]), size >> 2, off)
-                out[i] = (jobs[i].job_id, outcome, reply)
             else:
-                out[i] = (jobs[i].job_id, "ok", reply)
-
-    def _tokens_reply(self, request: Request, tokens: Any, count: int, off: dict) -> tuple[bytes, str]:
-        """(reply, outcome) of a batch-encoded tokenize: its ids charged to the reply budget first."""
+                texts.extend(text)
+            members.append(member)
+        if not members:
+            return
         try:
-            ReplyBudget(self.limits.max_reply_bytes).charge_count(count, tokens, request.tokens_format)
-            fields = {"tokens": tokens, "count": count, "cache": off, "worker": self.worker_name}
-            return self._capped(ok_reply(request.raw_id, fields)), "ok"
-        except ProtocolError as e:
-            return self._error(request.raw_id, e)
+            flat, ends = group.model.tokenizer.encode_flat(texts, add_special_tokens=group.add_special)
+        except Exception:  # noqa: BLE001 - a text the batch call refuses: each job alone, so only it fails
+            for i, *_ in members:
+                out[i] = self._general(jobs[i])
+            return
+        tail, limit, first = self._tail(), self.limits.max_reply_bytes, 0
+        for i, text, u32, rid in members:
+            batch = type(text) is not str
+            n = len(text) if batch else 1
+            reply = pack_tokens(flat, ends, first, n, batch, u32, rid, tail, limit)
+            out[i] = (jobs[i].job_id, "ok", reply) if reply is not None else self._general(jobs[i])
+            first += n
+
+    def _encode_long_batch(self, group: "_Group", job: PendingJob, member: tuple[int, list[str], bool, bytes],
+                           out: list) -> None:
+        """A batch of more than BATCH_STEP texts with a deadline, encoded BATCH_STEP texts at a time:
+        past its deadline it stops, with the error the general path's per-item check gives."""
+        i, texts, u32, rid = member
+        deadline = job.deadline()
+        parts, ends = [], array("Q", [0])
+        try:
+            for at in range(0, len(texts), BATCH_STEP):
+                if at and deadline is not None and time.monotonic() > deadline:
+                    error, code = self._error(rid, ProtocolError("timeout", f"the deadline passed after {at} items of the batch"))
+                    out[i] = (job.job_id, code, error)
+                    return
+                flat, offsets = group.model.tokenizer.encode_flat(texts[at:at + BATCH_STEP], add_special_tokens=group.add_special)
+                step = array("Q")
+                step.frombytes(offsets)
+                if not _LITTLE:  # pragma: no cover
+                    step.byteswap()
+                base = ends[-1]
+                ends.extend([base + e for e in step[1:]])
+                parts.append(flat)
+        except Exception:  # noqa: BLE001 - the general way names the error
+            out[i] = self._general(job)
+            return
+        if not _LITTLE:  # pragma: no cover
+            ends.byteswap()
+        reply = pack_tokens(b"".join(parts), ends.tobytes(), 0, len(texts), True, u32, rid, self._tail(), self.limits.max_reply_bytes)
+        out[i] = (job.job_id, "ok", reply) if reply is not None else self._general(job)
+
+    def _tail(self) -> bytes:
+        """The last two fields of a cache-less model's tokenize reply, `cache` and `worker`, packed once."""
+        off = CacheTally(self.registry.l0_enabled).to_wire()
+        tail = self._tails.get(off["l0"])
+        if tail is None:
+            tail = self._tails[off["l0"]] = msgpack.packb({"cache": off, "worker": self.worker_name}, use_bin_type=True)[1:]
+        return tail
 
     def _capped(self, reply: bytes) -> bytes:
         """The reply, or ProtocolError too_large when it is over --max-reply-bytes."""
@@ -449,35 +504,32 @@ class Ops:
     def _large(self, job: PendingJob, span: tuple[int, int, int]) -> tuple[bytes, str] | Request:
         """On the encode lane: read a payload over OFFLOAD_BYTES with a long `text` and, when it is a plain tokenize of a
         cache-less model, encode it and build its reply; else the parsed request, which the round
-        loop serves (`_finish_large`). The round loop never holds the GIL for such a payload: its
-        text is decoded in 1 MiB steps (`read_large`), the ids stay a packed buffer (no Python int
-        per id), and a list reply is packed in chunks, so the round thread gets the GIL back every
-        few milliseconds (the switch interval) while a 30 MB frame is read, encoded and answered."""
+        loop serves (`_finish_large`). The round loop never holds the GIL long for such a payload:
+        up to PLAIN_READ_BYTES it is read by the compiled reader, beyond that its text is decoded in
+        1 MiB steps (`read_large`); the ids stay the engine's packed buffer, and `pack_tokens` writes
+        the reply without the GIL."""
+        plain = read_plain(bytes(job.payload)) if len(job.payload) <= PLAIN_READ_BYTES else None
+        if plain is not None:
+            text, name, u32, add_special, rid = plain
+            model = self._batch_model(name)
+        else:
+            try:
+                request = read_large(job.payload, span)
+            except ProtocolError as e:
+                return self._error(raw_id(without_text(job.payload, span)), e)
+            model = self._plain_tokenize_model(request)
+            if model is None:
+                return request
+            text, u32, rid = request.payload["text"], request.tokens_format == "u32", request.raw_id
+            add_special = request.payload.get("add_special_tokens") is not False
+        if model is None or type(text) is not str:
+            return read_large(job.payload, span)  # served on the round loop, which names any error
         try:
-            request = read_large(job.payload, span)
-        except ProtocolError as e:
-            return self._error(raw_id(without_text(job.payload, span)), e)
-        model = self._plain_tokenize_model(request)
-        if model is None:
-            return request
-        rid, fmt = request.raw_id, request.tokens_format
-        add_special = request.payload.get("add_special_tokens") is not False
-        try:
-            (packed,) = model.tokenizer.encode_u32([request.payload["text"]], add_special_tokens=add_special)
+            flat, ends = model.tokenizer.encode_flat([text], add_special_tokens=add_special)
         except Exception:  # noqa: BLE001 - a text the batch call refuses: served inline, which names the error
-            return request
-        count = len(packed) // 4
-        budget = ReplyBudget(self.limits.max_reply_bytes)
-        try:
-            if fmt == "u32":
-                budget.charge_count(count, None, fmt)
-                tokens = [_bin_header(len(packed)), packed]
-            else:
-                tokens = _list_from_u32(packed, budget)
-            off = CacheTally(self.registry.l0_enabled).to_wire()
-            return self._capped(_reply_with_tokens(rid, tokens, {"count": count, "cache": off, "worker": self.worker_name})), "ok"
-        except ProtocolError as e:
-            return self._error(rid, e)
+            return read_large(job.payload, span)
+        reply = pack_tokens(flat, ends, 0, 1, False, u32, rid, self._tail(), self.limits.max_reply_bytes)
+        return (reply, "ok") if reply is not None else read_large(job.payload, span)  # over budget: said on the round loop
 
     def _finish_large(self, job: PendingJob, done: Done) -> tuple[bytes, str] | None:
         """On the round thread: a large payload's reply from the lane, or its request served here
@@ -613,67 +665,6 @@ def text_span(payload: bytes | memoryview) -> tuple[int, int, int] | None:
     if size < 1 << 16 or start + size > len(payload):
         return None
     return at, start, start + size
-
-
-def _bin_header(size: int) -> bytes:
-    return b"\xc6" + size.to_bytes(4, "big")
-
-
-# The fixed bytes of a tokenize reply as ok_reply packs it: {"id", "ok": true, "tokens", "count", "cache", "worker"}.
-_OK_TOKENS_HEAD = b"\x86\xa2id"
-_OK_TOKENS_BIN = b"\xa2ok\xc3\xa6tokens"
-_COUNT_KEY = b"\xa5count"
-
-
-def _bin_head(size: int) -> bytes:
-    """A bin's header in its shortest form, as msgpack packs it."""
-    if size < 256:
-        return b"\xc4" + size.to_bytes(1, "big")
-    return b"\xc5" + size.to_bytes(2, "big") if size < 65536 else b"\xc6" + size.to_bytes(4, "big")
-
-
-def _uint(n: int) -> bytes:
-    """A non-negative int in its shortest MessagePack form (msgpack.packb(n))."""
-    if n < 128:
-        return n.to_bytes(1, "big")
-    if n < 256:
-        return b"\xcc" + n.to_bytes(1, "big")
-    if n < 65536:
-        return b"\xcd" + n.to_bytes(2, "big")
-    return b"\xce" + n.to_bytes(4, "big") if n < 1 << 32 else msgpack.packb(n)
-
-
-def _list_from_u32(packed: bytes, budget: ReplyBudget) -> list[bytes]:
-    """A u32 buffer's ids as a MessagePack array, packed a chunk of 65,535 ids at a time (each chunk
-    a short call; an array of exactly that many packs with a 3-byte header) and charged as it grows."""
-    count = len(packed) // 4
-    parts = [b"\xdd" + count.to_bytes(4, "big")]
-    step = 65535
-    for at in range(0, count, step):
-        chunk = array("I")
-        chunk.frombytes(packed[4 * at:4 * min(at + step, count)])
-        if not _LITTLE:  # pragma: no cover
-            chunk.byteswap()
-        body = msgpack.packb(chunk.tolist())
-        body = body[3:] if len(chunk) >= 16 else body[1:]  # without the chunk's own array header
-        budget.charge(len(body), _constant(len(body)), "its token ids")
-        parts.append(body)
-    return parts
-
-
-def _constant(n: int) -> Callable[[], int]:
-    return lambda: n
-
-
-def _reply_with_tokens(rid: bytes, tokens: list[bytes], fields: dict) -> bytes:
-    """ok_reply(rid, {"tokens": ..., **fields}) with `tokens` already packed (in parts): one join."""
-    packer = msgpack.Packer(use_bin_type=True)
-    parts = [packer.pack_map_header(len(fields) + 3), packer.pack("id"), rid, packer.pack("ok"), packer.pack(True),
-             packer.pack("tokens"), *tokens]
-    for key, value in fields.items():
-        parts.append(packer.pack(key))
-        parts.append(packer.pack(value))
-    return b"".join(parts)
 
 
 def _add_served(cols: dict[str, list], served: Served, tokens: Any, fmt: str) -> None:

@@ -67,7 +67,7 @@ class Tokenizer(Protocol):
 
     def encode_u32(self, texts: list[str], *, add_special_tokens: bool = True) -> list[bytes]: ...
 
-    def encode_flat(self, texts: list[str], *, add_special_tokens: bool = True) -> tuple[memoryview, Sequence[int]]: ...
+    def encode_flat(self, texts: list[str], *, add_special_tokens: bool = True) -> tuple[bytes, bytes]: ...
 
     @property
     def backend(self) -> str: ...
@@ -126,17 +126,20 @@ class _Wrapped:
             return fast.encode_u32(texts, add_special_tokens)
         return [ids_to_u32(ids) for ids in self.encode_many(texts, add_special_tokens=add_special_tokens)]
 
-    def encode_flat(self, texts: list[str], *, add_special_tokens: bool = True) -> tuple[memoryview, Sequence[int]]:
-        """All texts' ids as one little-endian uint32 byte view and each text's end in it, in ids
-        (`ends[i]:ends[i + 1]`): the fast engine's own buffer when it serves (FastEngine.encode_flat)."""
+    def encode_flat(self, texts: list[str], *, add_special_tokens: bool = True) -> tuple[bytes, bytes]:
+        """All texts' ids as one little-endian uint32 buffer and each text's end in it, in ids, as
+        little-endian uint64s (text i's ids are ends[i]:ends[i + 1]): the fast engine's own buffers
+        when it serves (FastEngine.encode_flat)."""
         fast = self.fast
         if fast is not None:
             return fast.encode_flat(texts, add_special_tokens)
         parts = self.encode_u32(texts, add_special_tokens=add_special_tokens)
-        ends = [0]
+        ends = array("Q", [0])
         for part in parts:
             ends.append(ends[-1] + len(part) // 4)
-        return memoryview(b"".join(parts)), ends
+        if not _LITTLE:  # pragma: no cover
+            ends.byteswap()
+        return b"".join(parts), ends.tobytes()
 
 
 @dataclass(eq=False, repr=False)

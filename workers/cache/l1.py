@@ -25,6 +25,8 @@ spans and kept boundaries, never a copy per boundary.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from typing import Callable
 
 from ..tokenizers import ids_to_u32
@@ -37,14 +39,24 @@ __all__ = ["DEEPEST", "INPUT_SHARE", "MIN_PREFIX", "L1Store", "new_l1", "plan_cu
 DEEPEST = 4
 INPUT_SHARE = 4
 MIN_PREFIX = 512
+_LITTLE = sys.byteorder == "little"
 
 
 def encoders(tok: Tokenizer) -> tuple[Callable, Callable[[str, bool], bytes]]:
     """(the tokenizer's batch encode to one flat u32 buffer, its whole-input encode to packed ids):
     the wrapper's own (the fast engine's buffers when it serves), else built on `encode`."""
-    flat = getattr(tok, "encode_flat", None)
-    if flat is None:
-        def flat(texts: list[str], *, add_special_tokens: bool = False) -> tuple[bytes, list[int]]:
+    engine_flat = getattr(tok, "encode_flat", None)
+    if engine_flat is not None:
+        def flat(texts: list[str], *, add_special_tokens: bool = False) -> "tuple[bytes, array | list[int]]":
+            # the wrapper's ends are little-endian uint64 bytes (the engine's buffer): read as ints once
+            buf, offsets = engine_flat(texts, add_special_tokens=add_special_tokens)
+            ends = array("Q")
+            ends.frombytes(offsets)
+            if not _LITTLE:  # pragma: no cover - big-endian hosts only
+                ends.byteswap()
+            return buf, ends
+    else:
+        def flat(texts: list[str], *, add_special_tokens: bool = False) -> "tuple[bytes, array | list[int]]":
             parts = [ids_to_u32(tok.encode(t, add_special_tokens=add_special_tokens)) for t in texts]
             ends = [0]
             for p in parts:
