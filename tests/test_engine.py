@@ -11,6 +11,7 @@ the `backend` field of `models`.
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -167,8 +168,9 @@ def test_a_whitespace_edge_divergence_is_caught_and_its_texts_go_to_the_referenc
     tok.fast = engine
     assert tok.encode_many(texts) == want and [tok.encode(t) for t in texts] == want
     assert tok.encode_u32(texts) == [ids_to_u32(w) for w in want]  # the flat buffer, spliced
-    view, ends = tok.encode_flat(texts)
-    assert [bytes(view[4 * ends[i]:4 * ends[i + 1]]) for i in range(len(texts))] == [ids_to_u32(w) for w in want]
+    flat, offsets = tok.encode_flat(texts)  # the engine's two buffers: ids, and each text's end as uint64
+    ends = struct.unpack(f"<{len(texts) + 1}Q", offsets)
+    assert [flat[4 * ends[i]:4 * ends[i + 1]] for i in range(len(texts))] == [ids_to_u32(w) for w in want]
 
 
 def test_a_model_fastokens_refuses_says_why() -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import random
 
+from tokenbroker.common.process import memory_figures
+
 from helpers import Conn, deepseek_tokenizer, free_port, sample, scrape, start_broker, wait_until
 
 MiB = 1 << 20
@@ -55,8 +57,17 @@ def test_a_worker_past_its_memory_ceiling_is_replaced_and_every_request_is_answe
         def recycles() -> float:
             return sample(scrape(broker.metrics), "tokenbroker_worker_recycles_total")
 
-        while recycles() == 0:
+        def private() -> int:  # what the worker's heartbeat compares with its ceiling
+            figures = memory_figures(first_pid)
+            return CEILING + 1 if figures is None else figures[1]  # gone: it left at its ceiling
+
+        # Requests until the worker is past its ceiling (it looks at each heartbeat, so a fast worker
+        # may answer many more before it does): then it leaves, and its replacement serves.
+        while private() <= CEILING and recycles() == 0:
             assert len(texts) < MAX_REQUESTS, "the worker never passed its memory ceiling"
+            wave()
+        while recycles() == 0:  # its next heartbeat sees it; traffic goes on meanwhile
+            assert len(texts) < 4 * MAX_REQUESTS, "the worker passed its ceiling and was never replaced"
             wave()
         wave()  # and the fresh worker serves
         wait_until(lambda: first_pid not in broker.worker_pids(), what="the old worker to exit")

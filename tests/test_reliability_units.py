@@ -160,7 +160,9 @@ def test_a_long_count_holds_one_lane_of_its_worker_in_every_cache_mode():
             d.enqueue(j)
         placed = [j.job_id for _, jobs in d.assign(0.1) for j in jobs]
         assert placed == [1, 10, 11, 12], caches_on  # the second long count waits; the small ones do not
-        assert d._long(job(3, "tokenize", 5000)) is not caches_on  # a long tokenize: off the loop with caches off only
+        long_tokenize = job(3, "tokenize", 5000)
+        d.enqueue(long_tokenize)
+        assert long_tokenize.off_loop is not caches_on  # a long tokenize: off the loop with caches off only
 
 
 @pytest.mark.parametrize("order", ["id-first", "id-last"])
