@@ -171,17 +171,61 @@ def test_the_reply_budget_edges_are_the_general_paths(registry):
             assert outcome == ("ok" if limit >= size else "too_large")
 
 
-@pytest.mark.parametrize("cache", [CacheConfig(l0_enabled=True), CacheConfig(l0_enabled=True, l1_enabled=True)], ids=["l0", "l0+l1"])
-def test_with_caches_the_fields_read_in_c_are_served_as_the_parsed_request(cache):
-    """A model with caches: the plain requests go through them from the fields read_plain gave, and
-    the replies (their `cache` fields too) equal the parsed requests' served in the same order."""
-    def make() -> Ops:
-        registry = ModelRegistry(ModelConfig(models=(ModelSpec("m", "embedded:deepseek"),), cache=cache))
-        return Ops(registry, "w")
+CACHES = [CacheConfig(l0_enabled=True), CacheConfig(l1_enabled=True), CacheConfig(l0_enabled=True, l1_enabled=True)]
+SHARED = "<｜begin▁of▁sentence｜>You are a careful assistant. " * 60  # an L1 prefix: ends at an added token
+TURNS = [SHARED + "<｜User｜>" + "question %d " % k * 9 + "<｜Assistant｜>" for k in range(4)]
+
+
+def _cached_ops(cache: CacheConfig) -> Ops:
+    registry = ModelRegistry(ModelConfig(models=(ModelSpec("m", "embedded:deepseek"),), cache=cache))
+    registry.models[0].tokenizer.fast = build_fast(registry.models[0].tokenizer)
+    return Ops(registry, "w")
+
+
+def _cached_payloads() -> list[bytes]:
     payloads = _payloads()
-    payloads += payloads[::5]  # again: L0 hits
-    ops, alone = make(), make()
+    for fmt in ("list", "u32"):
+        for text in (*TURNS, TURNS, TURNS[::-1]):
+            payloads.append(msgpack.packb({"id": 7, "op": "tokenize", "model": "m", "text": text, "tokens_format": fmt}))
+    return payloads + payloads[::5]  # again: L0 hits
+
+
+@pytest.mark.parametrize("cache", CACHES, ids=["l0", "l1", "l0+l1"])
+def test_with_caches_the_fields_read_in_c_are_served_as_the_parsed_request(cache):
+    """A model with caches: the plain requests (single and batch, list and u32) go through the cache's
+    packed entry point and `pack_tokens`, and the replies (their `cache` fields too) equal the parsed
+    requests' served one by one in the same order."""
+    payloads = _cached_payloads()
+    ops, alone = _cached_ops(cache), _cached_ops(cache)
     out = ops.run([PendingJob(i, 0, time.monotonic(), p) for i, p in enumerate(payloads)])
     for (_, outcome, reply), payload in zip(out, payloads):
         assert (reply, outcome) == alone._serve(parse_request(payload), len(payload)), msgpack.unpackb(payload)
-    assert any(msgpack.unpackb(reply)["cache"]["l0"] == "hit" for _, _, reply in out)
+    caches = [msgpack.unpackb(reply)["cache"] for _, _, reply in out]
+    assert all(outcome == "ok" for _, outcome, _ in out)
+    if cache.l0_enabled:
+        assert any(c["l0"] == "hit" for c in caches) and any(c["l0"] == "miss" for c in caches)
+    if cache.l1_enabled:
+        assert any(c["l1_reused_tokens"] > 0 for c in caches)
+    assert ops.registry.models[0].cache.stats() == alone.registry.models[0].cache.stats()  # each text looked up once
+
+
+@pytest.mark.parametrize("cache", CACHES, ids=["l0", "l1", "l0+l1"])
+def test_with_caches_the_reply_budget_edges_are_the_general_paths(cache):
+    """With caches, at a reply's exact size, one byte under it, half and 8 bytes: the compiled path's
+    reply or the general path's too_large, byte for byte (the `cache` map too) what the request alone
+    gets, every text looked up once either way."""
+    payloads = [p for p in _cached_payloads() if len(p) < 3000][::5]
+    ops, alone = _cached_ops(cache), _cached_ops(cache)
+    for payload in payloads:  # warm: from here each request meets the caches as it will below
+        ops.run([PendingJob(0, 0, time.monotonic(), payload)])
+        alone._serve(parse_request(payload), len(payload))
+    sizes = [len(reply) for _, _, reply in ops.run([PendingJob(i, 0, time.monotonic(), p) for i, p in enumerate(payloads)])]
+    for payload in payloads:
+        alone._serve(parse_request(payload), len(payload))
+    for payload, size in zip(payloads, sizes):
+        for limit in (size, size - 1, size // 2, 8):
+            ops.limits = alone.limits = replace(ops.registry.limits, max_reply_bytes=limit)
+            (_, outcome, reply), = ops.run([PendingJob(0, 0, time.monotonic(), payload)])
+            assert (reply, outcome) == alone._serve(parse_request(payload), len(payload)), (limit, size)
+            assert outcome == ("ok" if limit >= size else "too_large")
+    assert ops.registry.models[0].cache.stats() == alone.registry.models[0].cache.stats()

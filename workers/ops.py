@@ -34,8 +34,8 @@ from tokenbroker.common.protocol import (
 )
 
 from ._core import pack_tokens, read_plain
-from .budget import ReplyBudget
-from .cache import CacheOutcome
+from .budget import ITEM_OVERHEAD, ReplyBudget
+from .cache import CacheOutcome, u32_list
 from .background import Done, Lane
 from .count import count_request
 from .count_lane import Stop, count_at_head, engine_encoder, wants_lane
@@ -115,6 +115,7 @@ class Ops:
         self.deadline = float("inf")  # of the job being served (time.monotonic()); batches stop past it
         self.payload_bytes = 0  # of the job being served: what detokenize_stream's free reply bound reads
         self._tails: dict[str, bytes] = {}  # pack_tokens' fixed reply ends (`_tail`), by the `cache` map's l0
+        self._cache_tails: dict[str, tuple[bytes, bytes, bytes]] = {}  # `_cache_tail`'s parts, by l0
         caches = registry.cache_config
         self.tokenin = Tokenin(CHAIN_MEMO_BYTES if caches.l0_enabled or caches.l1_enabled else 0)
         # Set by the worker: jinja2 chat renders, and long texts encode, off its round loop (workers/background.py);
@@ -131,7 +132,8 @@ class Ops:
         (workers/_core.pyx `read_plain`: no dict, no parse of the common fields in Python). Of a
         model with its caches off, it is encoded with the others of its model in one batch call
         (which releases the GIL) and answered by `pack_tokens` straight from the engine's u32
-        buffer; of a model with caches, served through them from the fields read (`op_tokenize`). The rest are parsed and served
+        buffer; of a model with caches, each text through the cache's packed entry point and the reply
+        by `pack_tokens` too (`_cached`). The rest are parsed and served
         one by one, by `_serve`, which gives the same replies byte for byte (tests check). `run` is
         the one entry point: the worker calls it, and so do the tests.
         """
@@ -158,10 +160,7 @@ class Ops:
                 text, name, u32, add_special, rid = plain
                 model = models[name] if name in models else models.setdefault(name, self._known_model(name))
                 if model is not None and model.cache.enabled:  # through its caches, from the fields read here
-                    request = Request("tokenize", name, None, None, "u32" if u32 else "list",
-                                      {"text": text, "add_special_tokens": add_special}, rid)
-                    reply, outcome = self._serve(request, len(job.payload), deadline=job.deadline())
-                    out[i] = (job.job_id, outcome, reply)
+                    out[i] = self._cached(job, model, name, text, u32, add_special, rid)
                     continue
                 if model is not None and (type(text) is str or len(text) <= self.limits.max_batch_items):
                     key = (id(model), add_special)
@@ -276,6 +275,68 @@ class Ops:
         reply = pack_tokens(b"".join(parts), ends.tobytes(), 0, len(texts), True, u32, rid, self._tail(), self.limits.max_reply_bytes)
         out[i] = (job.job_id, "ok", reply) if reply is not None else self._general(job)
 
+    def _cached(self, job: PendingJob, model: Model, name: str | None, text: str | list[str], u32: bool,
+                add_special: bool, rid: bytes) -> tuple[int, str, bytes]:
+        """A plain tokenize of a model with caches: each text through the cache's packed entry point
+        (`encode_u32`), the reply written by `pack_tokens` with the request's `cache` map in its tail.
+        Once the budget's free bound (what `ReplyBudget` charges first) passes --max-reply-bytes, or
+        `pack_tokens` leaves the reply, `op_tokenize` finishes it from the texts encoded so far (none
+        twice), byte for byte what `_serve` gives; so does a batch that `_check_deadline` or the
+        --max-batch-items bound would look at."""
+        batch = type(text) is not str
+        texts = cast(list, text) if batch else [text]
+        if batch and (len(texts) > self.limits.max_batch_items or (len(texts) > 255 and job.budget_ms)):
+            request = Request("tokenize", name, None, None, "u32" if u32 else "list",
+                              {"text": text, "add_special_tokens": add_special}, rid)
+            reply, outcome = self._serve(request, len(job.payload), deadline=job.deadline())
+            return job.job_id, outcome, reply
+        encode, limit, per_id = model.cache.encode_u32, self.limits.max_reply_bytes, 4 if u32 else 5
+        done: list[tuple[bytes, CacheOutcome]] = []
+        loose = count = hits = reused = 0
+        ends = [0]
+        try:
+            for t in texts:
+                packed, outcome = encode(t, add_special)
+                done.append((packed, outcome))
+                n = len(packed) >> 2
+                count += n
+                ends.append(count)
+                hits += outcome.l0 == "hit"
+                reused += outcome.l1_reused_tokens
+                loose += per_id * n + ITEM_OVERHEAD
+                if loose > limit:
+                    break
+        except Exception as e:  # noqa: BLE001 - what op_tokenize's encode raises, answered as _serve does
+            reply, code = self._error(rid, e)
+            return job.job_id, code, reply
+        reply = None
+        if loose <= limit:
+            l0 = "off" if not self.registry.l0_enabled else "hit" if hits == len(texts) and texts else "miss"
+            flat = done[0][0] if len(done) == 1 else b"".join([d[0] for d in done])
+            ends_b = array("Q", ends)
+            if not _LITTLE:  # pragma: no cover
+                ends_b.byteswap()
+            reply = pack_tokens(flat, ends_b.tobytes(), 0, len(texts), batch, u32, rid,
+                                self._cache_tail(l0, reused), limit)
+        if reply is not None:
+            return job.job_id, "ok", reply
+        request = Request("tokenize", name, None, None, "u32" if u32 else "list",
+                          {"text": text, "add_special_tokens": add_special}, rid)
+        reply, outcome = self._serve(request, len(job.payload), deadline=job.deadline(),
+                                     fields=partial(self._tokenize_plain, model, text, add_special,
+                                                    "u32" if u32 else "list", done))
+        return job.job_id, outcome, reply
+
+    def _cache_tail(self, l0: str, reused: int) -> bytes:
+        """The last two fields of a tokenize reply, `cache` ({"l0", "l1_reused_tokens"}) and `worker`,
+        as `_serve` packs them: the bytes around the reused count packed once per l0 value."""
+        parts = self._cache_tails.get(l0)
+        if parts is None:
+            whole = msgpack.packb({"cache": {"l0": l0, "l1_reused_tokens": 0}, "worker": self.worker_name}, use_bin_type=True)[1:]
+            at = whole.index(b"\xb0l1_reused_tokens") + 17
+            parts = self._cache_tails[l0] = (whole, whole[:at], whole[at + 1:])
+        return parts[0] if not reused else parts[1] + msgpack.packb(reused) + parts[2]
+
     def _tail(self) -> bytes:
         """The last two fields of a cache-less model's tokenize reply, `cache` and `worker`, packed once."""
         off = CacheTally(self.registry.l0_enabled).to_wire()
@@ -339,23 +400,34 @@ class Ops:
         add_special = opt(p, "add_special_tokens", bool, True)
         extras = parse_extras(p)
         model = self.registry.resolve(model_name)
+        if isinstance(text, list):
+            self._batch_items(text, "text")
+            for i, t in enumerate(text):
+                if not isinstance(t, str):
+                    raise ProtocolError("bad_request", f"field 'text[{i}]' must be str, got {type_name(t)}")
+        if extras is not None:
+            tally = CacheTally(self.registry.l0_enabled)
+            budget = ReplyBudget(self.limits.max_reply_bytes)
+            batch = isinstance(text, list)
+            return self._with_extras(model, text if batch else [text], add_special, extras, fmt, tally, budget, batch=batch)
+        return self._tokenize_plain(model, text, add_special, fmt)
+
+    def _tokenize_plain(self, model: Model, text: str | list[str], add_special: bool, fmt: str,
+                        done: list[tuple[bytes, CacheOutcome]] | None = None) -> dict:
+        """A checked plain tokenize's reply fields, the reply budget charged text by text. `done`: the
+        (packed ids, outcome) of its first texts, already through the caches (`_cached`), not again."""
         tally = CacheTally(self.registry.l0_enabled)
         budget = ReplyBudget(self.limits.max_reply_bytes)
+        done = done or []
         if isinstance(text, str):
-            if extras is not None:
-                return self._with_extras(model, [text], add_special, extras, fmt, tally, budget, batch=False)
-            tokens, count = self._encode_one(model, text, add_special, fmt, tally, budget, "its token ids")
+            tokens, count = self._encode_one(model, text, add_special, fmt, tally, budget, "its token ids",
+                                             done[0] if done else None)
             return {"tokens": tokens, "count": count, "cache": tally.to_wire()}
-        self._batch_items(text, "text")
-        for i, t in enumerate(text):
-            if not isinstance(t, str):
-                raise ProtocolError("bad_request", f"field 'text[{i}]' must be str, got {type_name(t)}")
-        if extras is not None:
-            return self._with_extras(model, text, add_special, extras, fmt, tally, budget, batch=True)
         out, total = [], 0
         for i, t in enumerate(text):
             self._check_deadline(i)
-            tokens, count = self._encode_one(model, t, add_special, fmt, tally, budget, f"the token ids of text[0..{i}]")
+            tokens, count = self._encode_one(model, t, add_special, fmt, tally, budget, f"the token ids of text[0..{i}]",
+                                             done[i] if i < len(done) else None)
             total += count
             out.append(tokens)
         return {"tokens": out, "count": total, "cache": tally.to_wire()}
@@ -397,15 +469,19 @@ class Ops:
 
     @staticmethod
     def _encode_one(model: Model, text: str, add_special: bool, fmt: str, tally: "CacheTally",
-                    budget: ReplyBudget, what: str) -> tuple[Any, int]:
+                    budget: ReplyBudget, what: str, done: tuple[bytes, CacheOutcome] | None = None) -> tuple[Any, int]:
         """(tokens in `fmt`, count) through the model's caches, charged to the reply's budget; `u32`
-        never makes an int per id where the engine and L0 hold packed ids."""
+        never makes an int per id where the engine and L0 hold packed ids. `done`: this text's
+        `encode_u32` result, already taken (a model with caches)."""
         if fmt == "u32":
-            packed, outcome = model.cache.encode_u32(text, add_special)
+            packed, outcome = done if done is not None else model.cache.encode_u32(text, add_special)
             tally.add(outcome)
             budget.charge_count(len(packed) // 4, packed, fmt, what)
             return packed, len(packed) // 4
-        ids, outcome = model.cache.encode(text, add_special)
+        if done is not None:
+            ids, outcome = u32_list(done[0]), done[1]
+        else:
+            ids, outcome = model.cache.encode(text, add_special)
         tally.add(outcome)
         budget.charge_ids(ids, fmt, what)
         return ids, len(ids)
