@@ -284,7 +284,7 @@ class Ops:
         twice), byte for byte what `_serve` gives; so does a batch that `_check_deadline` or the
         --max-batch-items bound would look at."""
         batch = type(text) is not str
-        texts = cast(list, text) if batch else [text]
+        texts: list[str] = cast("list[str]", text) if batch else [cast(str, text)]
         if batch and (len(texts) > self.limits.max_batch_items or (len(texts) > 255 and job.budget_ms)):
             request = Request("tokenize", name, None, None, "u32" if u32 else "list",
                               {"text": text, "add_special_tokens": add_special}, rid)
@@ -296,30 +296,30 @@ class Ops:
         ends = [0]
         try:
             for t in texts:
-                packed, outcome = encode(t, add_special)
-                done.append((packed, outcome))
+                packed, got = encode(t, add_special)
+                done.append((packed, got))
                 n = len(packed) >> 2
                 count += n
                 ends.append(count)
-                hits += outcome.l0 == "hit"
-                reused += outcome.l1_reused_tokens
+                hits += got.l0 == "hit"
+                reused += got.l1_reused_tokens
                 loose += per_id * n + ITEM_OVERHEAD
                 if loose > limit:
                     break
         except Exception as e:  # noqa: BLE001 - what op_tokenize's encode raises, answered as _serve does
             reply, code = self._error(rid, e)
             return job.job_id, code, reply
-        reply = None
+        built: bytes | None = None
         if loose <= limit:
             l0 = "off" if not self.registry.l0_enabled else "hit" if hits == len(texts) and texts else "miss"
             flat = done[0][0] if len(done) == 1 else b"".join([d[0] for d in done])
             ends_b = array("Q", ends)
             if not _LITTLE:  # pragma: no cover
                 ends_b.byteswap()
-            reply = pack_tokens(flat, ends_b.tobytes(), 0, len(texts), batch, u32, rid,
+            built = pack_tokens(flat, ends_b.tobytes(), 0, len(texts), batch, u32, rid,
                                 self._cache_tail(l0, reused), limit)
-        if reply is not None:
-            return job.job_id, "ok", reply
+        if built is not None:
+            return job.job_id, "ok", built
         request = Request("tokenize", name, None, None, "u32" if u32 else "list",
                           {"text": text, "add_special_tokens": add_special}, rid)
         reply, outcome = self._serve(request, len(job.payload), deadline=job.deadline(),
