@@ -105,6 +105,13 @@ class ChatJob:
     here: Callable[[], str | None] = lambda: None  # MiniJinja, bounded by fuel; None: `render` renders it
 
 
+
+def _plain_request(name: str | None, text: str | list[str], u32: bool, add_special: bool, rid: bytes) -> Request:
+    """The Request a plain tokenize read by `read_plain` stands for, built only when the general path
+    must serve it (the compiled path never needs one)."""
+    return Request("tokenize", name, None, None, "u32" if u32 else "list",
+                   {"text": text, "add_special_tokens": add_special}, rid)
+
 class Ops:
     """Dispatch by op name; one method per op, each returning the reply's op fields."""
 
@@ -286,9 +293,8 @@ class Ops:
         batch = type(text) is not str
         texts: list[str] = cast("list[str]", text) if batch else [cast(str, text)]
         if batch and (len(texts) > self.limits.max_batch_items or (len(texts) > 255 and job.budget_ms)):
-            request = Request("tokenize", name, None, None, "u32" if u32 else "list",
-                              {"text": text, "add_special_tokens": add_special}, rid)
-            reply, outcome = self._serve(request, len(job.payload), deadline=job.deadline())
+            reply, outcome = self._serve(_plain_request(name, text, u32, add_special, rid), len(job.payload),
+                                         deadline=job.deadline())
             return job.job_id, outcome, reply
         encode, limit, per_id = model.cache.encode_u32, self.limits.max_reply_bytes, 4 if u32 else 5
         done: list[tuple[bytes, CacheOutcome]] = []
@@ -320,9 +326,8 @@ class Ops:
                                 self._cache_tail(l0, reused), limit)
         if built is not None:
             return job.job_id, "ok", built
-        request = Request("tokenize", name, None, None, "u32" if u32 else "list",
-                          {"text": text, "add_special_tokens": add_special}, rid)
-        reply, outcome = self._serve(request, len(job.payload), deadline=job.deadline(),
+        reply, outcome = self._serve(_plain_request(name, text, u32, add_special, rid), len(job.payload),
+                                     deadline=job.deadline(),
                                      fields=partial(self._tokenize_plain, model, text, add_special,
                                                     "u32" if u32 else "list", done))
         return job.job_id, outcome, reply
