@@ -105,12 +105,12 @@ class ChatJob:
     here: Callable[[], str | None] = lambda: None  # MiniJinja, bounded by fuel; None: `render` renders it
 
 
-
 def _plain_request(name: str | None, text: str | list[str], u32: bool, add_special: bool, rid: bytes) -> Request:
     """The Request a plain tokenize read by `read_plain` stands for, built only when the general path
     must serve it (the compiled path never needs one)."""
     return Request("tokenize", name, None, None, "u32" if u32 else "list",
                    {"text": text, "add_special_tokens": add_special}, rid)
+
 
 class Ops:
     """Dispatch by op name; one method per op, each returning the reply's op fields."""
