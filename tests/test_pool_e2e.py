@@ -11,6 +11,7 @@ import sys
 from helpers import (
     BERT_DIR,
     Conn,
+    alive,
     error_code,
     free_port,
     scrape,
@@ -237,11 +238,7 @@ def test_local_workers_leave_when_their_broker_is_killed():
     pids = wait_until(lambda: len(broker.worker_pids()) == 2 and broker.worker_pids(), what="two workers")
     broker.stop(signal.SIGKILL)
 
-    def gone() -> bool:
-        return all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-                   for pid in pids)
-
-    wait_until(gone, timeout=30, what="orphaned workers to exit")
+    wait_until(lambda: not any(alive(pid) for pid in pids), timeout=30, what="orphaned workers to exit")
 
 
 def test_requests_that_time_out_in_the_queue_are_let_go_at_once():
