@@ -1,7 +1,8 @@
 """Jobs that run off the worker's round loop: a slow job never holds up the plain ones.
 
-A chat render runs in the worker's render child (chat/process.py) and may take its whole time budget
-(10 s); a 30 MB text takes seconds to encode. Served inline, every tokenize queued behind them on
+A jinja2 chat render runs in the worker's render child (chat/process.py) and may take its whole time
+budget (10 s); a 30 MB text takes seconds to encode; a count of thousands of items takes long too
+(count_lane.py). MiniJinja renders stay in the round: fuel bounds them (chat/mini.py). Served inline, every tokenize queued behind them on
 that worker waited that long. Instead the worker hands each such job to a lane here: one thread that
 runs the blocking call (waiting on the render child's pipe, or in the tokenizer's batch encode:
 both release the GIL) while the worker goes on with its rounds. When a call is done the thread puts

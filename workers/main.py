@@ -11,10 +11,11 @@ broker replaces the worker (the watchdog).
 The broker going silent makes the worker reconnect with doubling backoff (the Paranoid Pirate
 worker). SIGTERM: say BYE, take what the broker sent before it read the BYE, finish, leave.
 
-Jobs that can run long go to lanes (background.py): a chat's render and the encode of a long plain
-text run on their own threads, waiting on the render child or in the tokenizer without the GIL,
-and the poll watches their pipes: the rounds go on meanwhile, and a finished job is answered in
-the next turn. The broker sends a worker small jobs while it holds a long text (broker/dispatch.py).
+Jobs that can run long go to lanes (background.py): a chat rendered by jinja2 (a template MiniJinja
+does not serve, chat/gate.py; MiniJinja renders in the round, bounded by fuel), the encode of a long
+plain text and a large count run on their own threads, waiting on the render child or in the
+tokenizer without the GIL, and the poll watches their pipes: the rounds go on meanwhile, and a
+finished job is answered in the next turn. The broker sends a worker small jobs while it holds a long text (broker/dispatch.py).
 Each turn the lanes' watchdogs run: a lane job a second past its deadline is answered and the lane
 goes on with a fresh thread (its render child killed); heartbeats carry each lane's `wedged` count.
 
@@ -149,7 +150,7 @@ class Worker:
         self.ops = ops
         self.registry = registry
         self.loader = Loader(config.models.cache)
-        # Chats render, and long texts encode, while the rounds go on (workers/background.py).
+        # jinja2 chats render, and long texts and large counts encode, while the rounds go on (workers/background.py).
         self.lanes = (Lane("render"), Lane("encode"))
         ops.renders, ops.encodes = self.lanes
         self.installer = ModelInstaller(registry, self.loader, config.models.max_models)
