@@ -149,15 +149,32 @@ def test_small_requests_are_answered_while_a_huge_image_count_runs_off_the_round
             assert 3000 * scaled <= by_id["big"]["count"] <= 3000 * (scaled + 16)
 
 
+def _strings(value: object) -> list[str]:
+    """Every str value inside a JSON-like body (not its keys)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
 def test_a_count_is_bounded_before_it_is_counted_and_its_deadline_watched_on_the_lane():
-    """Over --max-batch-items list items a body is answered too_large (nothing harvested); a lane
-    count past its deadline is answered timeout, and the worker goes on serving."""
+    """Over --max-batch-items list items a body is not harvested: with `strict` it is answered
+    too_large, without it estimated from its characters (a count never fails on its input without
+    strict); a lane count past its deadline is answered timeout, and the worker goes on serving."""
     b64 = _png_header(HUGE, HUGE)
     body = {"messages": [_HUGE_IMAGE_BODIES[1][2](b64) for _ in range(3000)]}
     with serving("--max-batch-items", "4000") as (_, conn):
-        over = conn.call("count", body=body, format="openai.chat", model="gpt-4o", timeout=120)
+        over = conn.call("count", body=body, format="openai.chat", model="gpt-4o", strict=True, timeout=120)
         assert not over["ok"] and over["error"]["code"] == "too_large", over  # 3,000 messages + 3,000 parts
         assert "--max-batch-items" in over["error"]["message"]
+        estimated = conn.call("count", body=body, format="openai.chat", model="gpt-4o", timeout=120)
+        assert estimated["ok"] and estimated["method"] == "estimate" and estimated["vocabulary"] is None, estimated
+        chars = sum(len(s) for s in _strings(body))
+        assert estimated["count"] == (chars + 1) // 2
+        assert any("--max-batch-items" in w for w in estimated["warnings"]), estimated["warnings"]
         half = {"messages": body["messages"][:1500]}
         assert conn.call("count", body=half, format="openai.chat", model="gpt-4o", timeout=120)["ok"]
         late = conn.call("count", body={"messages": [{"role": "user", "content": "word " * 20}] * 1500},

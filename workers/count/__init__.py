@@ -33,7 +33,7 @@ from typing import Protocol, cast
 
 from tokenbroker.common.errors import ProtocolError
 
-from .bounds import check_body_items
+from .bounds import body_chars, body_items, check_body_items
 from .detect import detect_format
 from .formats import FORMATS, HARVESTERS, FunctionDef, Harvest
 from .gemini import gemini_tokens
@@ -112,7 +112,12 @@ class _Tokenizer:
 
 def estimate_tokens(text: str) -> int:
     """The last rung: one token per two characters (code points), rounded up."""
-    return (len(text) + 1) // 2
+    return estimate_tokens_of(len(text))
+
+
+def estimate_tokens_of(chars: int) -> int:
+    """The last rung's rule on a number of characters."""
+    return (chars + 1) // 2
 
 
 GEMINI_ESTIMATE = ("Google does not publish Gemini's tokenizer: this count is an estimate "
@@ -163,6 +168,16 @@ def resolve_tokenizer(model: str | None, *, strict: bool, env: CountEnv, notes: 
         return _Tokenizer("fallback", vocabulary, encoder)
     notes.add("No tokenizer is available: the count is an estimate of one token per two characters.")
     return _Tokenizer("estimate", None, estimate_tokens)
+
+
+def _over_items(value: object, max_items: int, notes: Notes) -> CountResult:
+    """A body over the worker's item bound, without `strict`: the last rung over its strings, not a
+    failure (bounds.py)."""
+    notes.add(f"The body holds more than {max_items} messages, parts, images and other list items, more "
+              f"than this worker counts (--max-batch-items): the count is an estimate of one token per two "
+              f"characters of its text.")
+    count = estimate_tokens_of(body_chars(value))
+    return CountResult(count=min(count, MAX_COUNT), method="estimate", vocabulary=None, warnings=notes.sentences())
 
 
 # --- parsing ---------------------------------------------------------------------------------------
@@ -256,7 +271,7 @@ def count_request(body: object, *, format: str | None, model: str | None, strict
     Raises ProtocolError: bad_request for a `format` or `body` of the wrong kind; with `strict`,
     invalid_input for a body that is not JSON (or not UTF-8) and unknown_model when no tokenizer
     serves the named model; too_large for a body of more than `max_items` list items (bounds.py),
-    measured before anything is counted.
+    measured before anything is counted. Without `strict` such a body is estimated instead.
     """
     if format is not None and format not in FORMATS:
         raise ProtocolError("bad_request", f"field 'format' must be one of {', '.join(FORMATS)} or nil, got {format!r}")
@@ -265,8 +280,10 @@ def count_request(body: object, *, format: str | None, model: str | None, strict
     notes = Notes()
     walk = Walk(notes)
     value = _value(body, format, strict=strict, walk=walk)
-    if max_items is not None:
-        check_body_items(value, max_items)
+    if max_items is not None and body_items(value, max_items) > max_items:
+        if strict:
+            check_body_items(value, max_items)
+        return _over_items(value, max_items, notes)
     if model is None and isinstance(value, dict) and isinstance(value.get("model"), str):
         model = value["model"]
     fmt = "text"

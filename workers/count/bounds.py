@@ -5,9 +5,11 @@ image's header decoded (up to images.IMAGE_HEADER_CHARS), each text encoded. The
 are bounded by the broker's --max-request-bytes, but items are cheap to pack (an empty map is one
 byte): a body of a million empty parts would be counted a million times over. So before a count
 harvests anything, `body_items` walks the body once (iteratively, stopping as soon as it is over)
-and a body holding more items than the worker's --max-batch-items is answered `too_large`, as a
-tokenize batch of more texts would be: the one count that fails without `strict`, because it is a
-limit of the worker's, not a flaw of the input.
+and a body holding more items than the worker's --max-batch-items is not harvested. With `strict` it
+is answered `too_large`, as a tokenize batch of more texts would be. Without `strict` a count never
+fails on its input (docs/protocol.md), so it gets the ladder's last rung instead: one token per two
+characters of the body's strings (`body_chars`, one more walk of the same bound), method "estimate",
+with a warning that names the limit.
 
 >>> body_items({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}] * 3}]}, 100)
 4
@@ -44,6 +46,30 @@ def body_items(value: Any, limit: int) -> int:
         seen.add(id(node))
         stack.extend(c for c in children if type(c) is dict or type(c) is list)
     return items
+
+
+def body_chars(value: Any) -> int:
+    """The code points of every str value inside `value` (map keys are the format's own names, not
+    text a model reads): what the last rung estimates from. Iterative, each node once."""
+    chars = 0
+    stack = [value]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if type(node) is str:
+            chars += len(node)
+            continue
+        if type(node) is dict:
+            children: Any = node.values()
+        elif type(node) is list:
+            children = node
+        else:
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(children)
+    return chars
 
 
 def check_body_items(value: Any, limit: int) -> None:
