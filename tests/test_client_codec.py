@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 from array import array
 from dataclasses import fields
 
@@ -136,6 +137,22 @@ def test_results_are_built_as_their_classes_build_them() -> None:
         assert tuple(f.name for f in fields(cls)) == cls.__slots__
         values = tuple(range(len(cls.__slots__)))
         assert _codec.build(cls, values) == cls(*values)
+
+
+def test_results_hold_no_reference_of_their_own() -> None:
+    """A result built in compiled code is freed when its holders drop it (each one once leaked:
+    every reply's ids stayed in memory)."""
+    for cls in (res.Tokens, res.Text, res.ChatTokens):
+        built = _codec.build(cls, tuple(range(len(cls.__slots__))))
+        assert sys.getrefcount(built) == sys.getrefcount(cls(*range(len(cls.__slots__))))
+    for kind, reply in ((_codec.KIND_TOKENS, TOKENS_REPLIES[0]), (_codec.KIND_TOKENS_LIST, TOKENS_REPLIES[0]),
+                        (_codec.KIND_TEXT, {"id": 1, "ok": True, "text": "t", "worker": "w"}),
+                        (_codec.KIND_CHAT, {"id": 1, "ok": True, "tokens": U32, "count": 5, "worker": "w"})):
+        got = _settled(kind, reply)
+        held = sys.getrefcount(got), sys.getrefcount(getattr(got, "tokens", None) or getattr(got, "text"))
+        assert type(got) is not dict and held[0] == 2  # `got` and getrefcount's argument
+        if kind != _codec.KIND_TEXT:
+            assert held[1] == 2  # the result's and the argument's
 
 
 class _Link:

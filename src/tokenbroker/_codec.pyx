@@ -50,7 +50,7 @@ cdef extern from "Python.h":
         pass
     ctypedef struct PyObject:
         pass
-    PyObject* PyType_GenericAlloc(PyTypeObject*, Py_ssize_t) except NULL
+    object PyType_GenericAlloc(PyTypeObject*, Py_ssize_t)  # a new reference, which Cython then owns
     void PyObject_GC_UnTrack(void*)
     void Py_INCREF(PyObject*)
 
@@ -657,12 +657,15 @@ cdef Layout _CHAT = _layout(ChatTokens)
 
 cdef object _build(Layout* layout, PyObject** values):
     """An instance of the layout's class with its fields, in order, set to `values` (as many as it has)."""
-    cdef PyObject* obj = PyType_GenericAlloc(layout.cls, 0)
+    # Declared as returning `object`, the allocation's own reference is the one returned: a cast of
+    # a `PyObject*` to `object` adds one, and every result (with its ids) would never be freed.
+    cdef object out = PyType_GenericAlloc(layout.cls, 0)
+    cdef PyObject* obj = <PyObject*>out
     cdef Py_ssize_t i
     for i in range(layout.n):
         Py_INCREF(values[i])
         (<PyObject**>((<char*>obj) + layout.offsets[i]))[0] = values[i]
-    return <object>obj  # takes over the allocation's reference
+    return out
 
 
 def build(type cls, tuple values) -> object:
