@@ -241,19 +241,19 @@ class Core:
         return min(live, key=lambda link: len(link.outstanding))
 
     def _send(self, call: Call, link: Link, now: float) -> None:
-        payload = call.payload(now)  # its fields as packed once, its id, what is left of its deadline
         if not link.outstanding:
             link.busy_since = now
         link.outstanding[call.id] = call
         call.link = link
         link.sent += 1
-        self._queue(link, call, payload)
+        self._queue(link, call, None)  # its fields as packed once, its id, what is left of its deadline at the flush
 
-    def _queue(self, link: Link, call: Call | None, payload: bytes) -> None:
-        """Hold a request for this loop turn's frames to the link; the first one schedules the flush."""
+    def _queue(self, link: Link, call: Call | None, payload: bytes | None) -> None:
+        """Hold a request for this loop turn's frames to the link (a call's is written at the
+        flush: payload None); the first one schedules the flush."""
         link.outbox.append(payload)
         link.outbox_calls.append(call)
-        link.outbox_bytes += len(payload)
+        link.outbox_bytes += len(payload) if payload is not None else len(call.head) + 32  # type: ignore[union-attr]
         if not link.kick:
             link.kick = True
             self._loop.call_soon(self._kick, link)  # type: ignore[union-attr]
@@ -263,7 +263,8 @@ class Core:
         (contract 1.2), each frame at most COALESCE_MAX_CALLS requests and COALESCE_MAX_BYTES bytes
         (a larger request goes alone), so it stays far under any broker's --max-request-bytes.
         Calls cancelled or expired since go not."""
-        out = _codec.frames(link.outbox_calls, link.outbox, self._calls, COALESCE_MAX_CALLS, COALESCE_MAX_BYTES)
+        out = _codec.frames(link.outbox_calls, link.outbox, self._calls, COALESCE_MAX_CALLS, COALESCE_MAX_BYTES,
+                            self._loop.time())  # type: ignore[union-attr]
         link.outbox, link.outbox_calls, link.outbox_bytes = [], [], 0
         sock = link.sock
         send = _SEND  # the compiled send itself: pyzmq's Python wrapper only picks copy or not, by size
