@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 from array import array
 from dataclasses import fields
 
@@ -86,6 +87,57 @@ def test_a_batchs_heads_are_each_requests_fields() -> None:
         assert _codec.request(head, 4, 5, 6) == ref_pack({**want, "id": 5, "deadline_ms": 6})
 
 
+def test_a_turns_frames_are_msgpacks_arrays_of_the_requests() -> None:
+    """`frames` writes each call's request into its frame (id, and what is left of its deadline
+    at the flush): msgpack's bytes, cut at the call and byte limits, calls no longer wanted and
+    cancelled ones left out, a probe's bytes as they are, a lone request as its map."""
+    configure_max = 300_000
+    _codec.configure(configure_max)
+    loop = asyncio.new_event_loop()
+    try:
+        bodies = [{"op": "tokenize", "text": "t" * size, "model": "m"} for size in (0, 5, 200, 70000, 3, 1000, 9)]
+        bodies.append({f"k{i}": i for i in range(20)})  # a map of 16 or more pairs
+        ids = [1, 127, 128, 255, 256, 65535, 65536, 2**32 + 5]
+        deadlines = [0.0005, 1.0, 0.2, 300.0, 5000.0, 0.0, 66.0, 2.5]
+        calls = [_codec.Call(rid, _codec.pack_entries(b), len(b), _codec.KIND_RAW, "op", loop.create_future(), 10.0 + d, 1.0)
+                 for rid, b, d in zip(ids, bodies, deadlines)]
+        pending = {c.id: c for c in calls}
+        del pending[ids[2]]  # answered (or expired) since it was queued
+        calls[4].future.cancel()  # its awaiter stopped waiting
+        probe = _codec.request(_codec.pack_entries({"op": "ping"}), 1, 99, 1000)
+        out_calls: list = [*calls[:3], None, *calls[3:]]
+        payloads: list = [None, None, None, probe, *[None] * 5]
+
+        def want(call: _codec.Call) -> dict:
+            left = max(1, min(configure_max, int((call.deadline - 10.0) * 1000)))
+            return {**msgpack.unpackb(ref_pack(dict(bodies[ids.index(call.id)])), raw=False), "id": call.id,
+                    "deadline_ms": left}
+
+        expect = [want(calls[0]), want(calls[1]), {"op": "ping", "id": 99, "deadline_ms": 1000}, want(calls[3]),
+                  want(calls[5]), want(calls[6]), want(calls[7])]
+        for max_calls, max_bytes in ((256, 1 << 20), (2, 1 << 20), (256, 2000), (1, 1 << 20)):
+            frames = _codec.frames(out_calls, payloads, pending, max_calls, max_bytes, 10.0)
+            got: list = []
+            for frame in frames:
+                value = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+                if type(value) is list:
+                    assert 1 < len(value) <= max_calls and len(frame) <= max_bytes + 5
+                    assert frame == ref_pack(value)
+                    got.extend(value)
+                else:
+                    assert frame == ref_pack(value)
+                    got.append(value)
+            assert got == expect
+            assert [list(r) for r in got] == [list(r) for r in expect]  # keys in the order msgpack writes them
+        assert _codec.frames([None], [probe], {}, 256, 1 << 20, 0.0) == [probe]
+        assert _codec.frames([calls[0]], [None], pending, 256, 1 << 20, 10.0) == [_codec.request(
+            calls[0].head, calls[0].nkeys, calls[0].id, 1)]
+    finally:
+        loop.close()
+        from tokenbroker.common.protocol import MAX_DEADLINE_MS
+        _codec.configure(MAX_DEADLINE_MS)
+
+
 @pytest.mark.parametrize("value", [2**64, -(2**63) - 1])
 def test_ints_msgpack_refuses_are_refused(value: int) -> None:
     with pytest.raises(OverflowError):
@@ -136,6 +188,22 @@ def test_results_are_built_as_their_classes_build_them() -> None:
         assert tuple(f.name for f in fields(cls)) == cls.__slots__
         values = tuple(range(len(cls.__slots__)))
         assert _codec.build(cls, values) == cls(*values)
+
+
+def test_results_hold_no_reference_of_their_own() -> None:
+    """A result built in compiled code is freed when its holders drop it (each one once leaked:
+    every reply's ids stayed in memory)."""
+    for cls in (res.Tokens, res.Text, res.ChatTokens):
+        built = _codec.build(cls, tuple(range(len(cls.__slots__))))
+        assert sys.getrefcount(built) == sys.getrefcount(cls(*range(len(cls.__slots__))))
+    for kind, reply in ((_codec.KIND_TOKENS, TOKENS_REPLIES[0]), (_codec.KIND_TOKENS_LIST, TOKENS_REPLIES[0]),
+                        (_codec.KIND_TEXT, {"id": 1, "ok": True, "text": "t", "worker": "w"}),
+                        (_codec.KIND_CHAT, {"id": 1, "ok": True, "tokens": U32, "count": 5, "worker": "w"})):
+        got = _settled(kind, reply)
+        held = sys.getrefcount(got), sys.getrefcount(getattr(got, "tokens", None) or getattr(got, "text"))
+        assert type(got) is not dict and held[0] == 2  # `got` and getrefcount's argument
+        if kind != _codec.KIND_TEXT:
+            assert held[1] == 2  # the result's and the argument's
 
 
 class _Link:

@@ -26,11 +26,13 @@ next leave in the same loop turn as they are made, not one turn later.
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import math
 import random
+import time
 from threading import get_ident
-from typing import Any, Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 import msgpack
 import zmq
@@ -80,6 +82,17 @@ def head_of(body: dict) -> tuple[bytes, int]:
         return packed[1 if n < 16 else 3 if n < 65536 else 5:], n
 
 
+def _clock_and_futures(loop: asyncio.AbstractEventLoop) -> tuple[Callable[[], float], Callable[[], asyncio.Future[Any]]]:
+    """`loop.time` and `loop.create_future`, or for asyncio's own loops what those methods call
+    (`time.monotonic`, `asyncio.Future(loop=loop)`): each is a Python frame per call otherwise,
+    and a call takes one of each."""
+    base = asyncio.BaseEventLoop
+    clock = time.monotonic if type(loop).time is base.time else loop.time
+    futures = functools.partial(asyncio.Future, loop=loop) if type(loop).create_future is base.create_future \
+        else loop.create_future
+    return clock, futures
+
+
 class Core:
     """Calls in, reply maps out; knows the wire's envelope and liveness, nothing of any op's fields."""
 
@@ -102,6 +115,8 @@ class Core:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._time: Callable[[], float] = time.monotonic  # the loop's clock and future factory (`_start`)
+        self._future: Callable[[], asyncio.Future[Any]] = asyncio.Future
         self._watcher: asyncio.Task | None = None
         self._rng = random.Random()
         self._closed = False
@@ -120,10 +135,10 @@ class Core:
             loop = self._enter()
         rid = self._next_id
         self._next_id = rid + 1
-        now = loop.time()
+        now = self._time()
         live = self._live
         link = live[0] if len(live) == 1 else self._pick()
-        call = _codec.submit_one(head, nkeys, kind, op, loop.create_future(), rid, now + timeout, timeout, now,
+        call = _codec.submit_one(head, nkeys, kind, op, self._future(), rid, now + timeout, timeout, now,
                                  self._calls, link, self._deadlines, LOCAL_GRACE_S)
         if not link.kick:
             link.kick = True
@@ -144,9 +159,9 @@ class Core:
         if self._closed or loop is None or getattr(loop, "_thread_id", None) != get_ident():
             loop = self._enter()
         n = len(heads)
-        batch = Batch(loop.create_future(), n)
+        batch = Batch(self._future(), n)
         batch.first = rid = self._next_id
-        now = loop.time()
+        now = self._time()
         deadline = now + timeout
         start = 0
         for link, share in self._shares(n):
@@ -241,19 +256,19 @@ class Core:
         return min(live, key=lambda link: len(link.outstanding))
 
     def _send(self, call: Call, link: Link, now: float) -> None:
-        payload = call.payload(now)  # its fields as packed once, its id, what is left of its deadline
         if not link.outstanding:
             link.busy_since = now
         link.outstanding[call.id] = call
         call.link = link
         link.sent += 1
-        self._queue(link, call, payload)
+        self._queue(link, call, None)  # its fields as packed once, its id, what is left of its deadline at the flush
 
-    def _queue(self, link: Link, call: Call | None, payload: bytes) -> None:
-        """Hold a request for this loop turn's frames to the link; the first one schedules the flush."""
+    def _queue(self, link: Link, call: Call | None, payload: bytes | None) -> None:
+        """Hold a request for this loop turn's frames to the link (a call's is written at the
+        flush: payload None); the first one schedules the flush."""
         link.outbox.append(payload)
         link.outbox_calls.append(call)
-        link.outbox_bytes += len(payload)
+        link.outbox_bytes += len(payload) if payload is not None else len(call.head) + 32  # type: ignore[union-attr]
         if not link.kick:
             link.kick = True
             self._loop.call_soon(self._kick, link)  # type: ignore[union-attr]
@@ -263,7 +278,8 @@ class Core:
         (contract 1.2), each frame at most COALESCE_MAX_CALLS requests and COALESCE_MAX_BYTES bytes
         (a larger request goes alone), so it stays far under any broker's --max-request-bytes.
         Calls cancelled or expired since go not."""
-        out = _codec.frames(link.outbox_calls, link.outbox, self._calls, COALESCE_MAX_CALLS, COALESCE_MAX_BYTES)
+        out = _codec.frames(link.outbox_calls, link.outbox, self._calls, COALESCE_MAX_CALLS, COALESCE_MAX_BYTES,
+                            self._time())
         link.outbox, link.outbox_calls, link.outbox_bytes = [], [], 0
         sock = link.sock
         send = _SEND  # the compiled send itself: pyzmq's Python wrapper only picks copy or not, by size
@@ -308,7 +324,7 @@ class Core:
         """One frame: a reply map, or (to a client that sent arrays) an array of them, read and
         settled in compiled code (`_codec.settle`); what needs policy comes back here: ids not
         pending (probes, late replies) and `overloaded`. How many calls it settled."""
-        now = self._loop.time()  # type: ignore[union-attr]
+        now = self._time()
         link.heard = now
         if not payload:  # a delimiter: not ours to send, yet harmless to skip
             return 0
@@ -477,6 +493,7 @@ class Core:
         if self._loop is not None:
             raise RuntimeError("this client serves the event loop it first ran on; make one client per loop")
         self._loop = loop
+        self._time, self._future = _clock_and_futures(loop)
         if self._context is None:
             self._context = zmq.Context.instance()
         for link in self._links:

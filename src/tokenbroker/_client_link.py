@@ -47,9 +47,10 @@ class Link:
     probe_id: int | None = None
     probe_sent: float = 0.0
     kick: bool = False  # a `_kick` is scheduled for this loop turn: it sends `outbox`, then drains
-    outbox: list[bytes] = field(default_factory=list)  # the payloads held for this turn's frame
+    outbox: list[bytes | None] = field(default_factory=list)  # this turn's requests: a probe's bytes, None for a
+    # call (its request is written into the frame at the flush, from its head)
     outbox_calls: list[Call | None] = field(default_factory=list)  # their calls (None: a probe)
-    outbox_bytes: int = 0
+    outbox_bytes: int = 0  # about how many bytes they make
     outstanding: dict[int, Call] = field(default_factory=dict)
     sent: int = 0
     resent: int = 0

@@ -11,7 +11,8 @@ Python (`_client_core`) keeps the policy: which broker a call goes to, deadlines
   each send (`request`): a re-send after failover or `overloaded` repacks nothing else.
 - `heads`: the fields of many requests that differ in one value (a batch), in one call.
 - `submit_batch`: a batch's calls made, registered and queued in one call.
-- `frames`: one loop turn's requests cut into frames (contract 1.2 arrays, bounded in calls and bytes).
+- `frames`: one loop turn's requests cut into frames (contract 1.2 arrays, bounded in calls and bytes),
+  each call's request written straight into its frame from its head (no bytes per call).
 - `settle`: a reply frame read and every call it answers settled: a tokenize, detokenize or chat
   reply of the usual shape becomes its result (`Tokens`, `Text`, `ChatTokens`) straight from the
   bytes, ids as one `array('I')` copied from the u32 bin (no Python int per id unless the caller
@@ -50,7 +51,7 @@ cdef extern from "Python.h":
         pass
     ctypedef struct PyObject:
         pass
-    PyObject* PyType_GenericAlloc(PyTypeObject*, Py_ssize_t) except NULL
+    object PyType_GenericAlloc(PyTypeObject*, Py_ssize_t)  # a new reference, which Cython then owns
     void PyObject_GC_UnTrack(void*)
     void Py_INCREF(PyObject*)
 
@@ -433,7 +434,6 @@ def submit_one(bytes head, Py_ssize_t nkeys, int kind, str op, object future, ob
     """Make, register and queue one call to `link` (as `submit_batch` does for many); the caller
     schedules the link's flush."""
     cdef Call call = Call.__new__(Call)
-    cdef bytes payload
     cdef dict outstanding = link.outstanding
     call.id = rid
     call.head = head
@@ -444,15 +444,14 @@ def submit_one(bytes head, Py_ssize_t nkeys, int kind, str op, object future, ob
     call.deadline = deadline
     call.timeout = timeout
     call.link = link
-    payload = _request(head, nkeys, rid, _ms(deadline - now))
     calls[rid] = call
     if not outstanding:
         link.busy_since = now
     outstanding[rid] = call
     link.sent += 1
-    (<list>link.outbox).append(payload)
+    (<list>link.outbox).append(None)  # its request is written at the flush, into its frame (`frames`)
     (<list>link.outbox_calls).append(call)
-    link.outbox_bytes += PyBytes_GET_SIZE(payload)
+    link.outbox_bytes += PyBytes_GET_SIZE(head) + 32
     heappush(heap, (deadline + grace, rid))
     return call
 
@@ -466,10 +465,8 @@ def submit_batch(list heads, Py_ssize_t nkeys, int kind, str op, Batch batch, Py
     cdef list outbox = link.outbox
     cdef list outbox_calls = link.outbox_calls
     cdef Py_ssize_t i, added = 0
-    cdef long long ms = _ms(deadline - now)
     cdef long long rid = first_id
     cdef Call call
-    cdef bytes payload
     cdef object key
     for i in range(len(heads)):
         key = rid
@@ -486,73 +483,126 @@ def submit_batch(list heads, Py_ssize_t nkeys, int kind, str op, Batch batch, Py
         call.timeout = timeout
         call.link = link
         call.attempts = 0
-        payload = _request(call.head, nkeys, key, ms)
         calls[key] = call
         outstanding[key] = call
-        outbox.append(payload)
+        outbox.append(None)
         outbox_calls.append(call)
-        added += PyBytes_GET_SIZE(payload)
+        added += PyBytes_GET_SIZE(call.head) + 32
         rid += 1
     link.outbox_bytes += added
     link.sent += len(heads)
     return rid
 
 
-def frames(list calls_out, list payloads, dict pending, Py_ssize_t max_calls, Py_ssize_t max_bytes) -> list:
-    """The frames of one loop turn: the payloads of calls still wanted (pending, their awaiter
-    still waiting; None is a probe), a lone one as itself, several as one MessagePack array of
-    at most `max_calls` and `max_bytes` (a larger one alone)."""
-    cdef list out = []
-    cdef list group = []
-    cdef Py_ssize_t i, size = 0, n
+cdef inline Py_ssize_t _uint_size(uint64_t v):
+    """Bytes `_int` writes for a non-negative int (msgpack-python's smallest format)."""
+    if v < 128:
+        return 1
+    if v < 256:
+        return 2
+    if v < 65536:
+        return 3
+    if v < 4294967296:
+        return 5
+    return 9
+
+
+cdef inline Py_ssize_t _request_size(Call call, long long ms) except -1:
+    """Bytes `_request` writes for this call sent with `ms` left: its map head, its fields, its id
+    and deadline (ids are this client's counter: positive)."""
+    cdef Py_ssize_t n = call.nkeys + 2
+    return ((1 if n < 16 else 3 if n < 65536 else 5) + PyBytes_GET_SIZE(call.head)
+            + 3 + _uint_size(PyLong_AsUnsignedLongLong(call.id)) + 12 + _uint_size(<uint64_t>ms))
+
+
+cdef inline bint _wanted(object c, dict pending):
+    """A queued call still to send: pending, its awaiter still waiting (None, a probe, always is)."""
     cdef Call call
-    cdef object c
-    for i in range(len(payloads)):
-        c = calls_out[i]
-        if c is not None:
-            call = <Call>c
-            if call.id not in pending:
+    if c is None:
+        return True
+    call = <Call>c
+    if call.id not in pending:
+        return False
+    if call.batch is not None:
+        return not call.batch.future.done()
+    return not call.future.done()
+
+
+def frames(list calls_out, list payloads, dict pending, Py_ssize_t max_calls, Py_ssize_t max_bytes,
+           double now) -> list:
+    """The frames of one loop turn: the requests of calls still wanted (`_wanted`), a lone one as
+    its map, several as one MessagePack array of at most `max_calls` and `max_bytes` (a larger one
+    alone). A call's payload None is its request written here, straight into its frame, with what
+    is left of its deadline at `now` (no bytes of its own per call); bytes (a probe) go as they are."""
+    cdef list out = []
+    cdef Py_ssize_t n = len(payloads), i, size, first = 0, count = 0, total = 0
+    cdef Py_ssize_t* sizes = <Py_ssize_t*>PyMem_Malloc(n * sizeof(Py_ssize_t) + 1)
+    cdef object p
+    if sizes == NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            if not _wanted(calls_out[i], pending):
+                sizes[i] = -1
                 continue
-            if call.batch is not None:
-                if call.batch.future.done():
-                    continue
-            elif call.future.done():
-                continue
-        p = payloads[i]
-        n = PyBytes_GET_SIZE(p)
-        if group and (len(group) >= max_calls or size + n > max_bytes):
-            out.append(_frame(group))
-            group = []
-            size = 0
-        group.append(p)
-        size += n
-    if group:
-        out.append(_frame(group))
+            p = payloads[i]
+            size = _request_size(<Call>calls_out[i], _ms((<Call>calls_out[i]).deadline - now)) if p is None \
+                else PyBytes_GET_SIZE(p)
+            sizes[i] = size
+            if count and (count >= max_calls or total + size > max_bytes):
+                out.append(_frame(calls_out, payloads, sizes, first, i, count, total, now))
+                first, count, total = i, 0, 0
+            count += 1
+            total += size
+        if count:
+            out.append(_frame(calls_out, payloads, sizes, first, n, count, total, now))
+    finally:
+        PyMem_Free(sizes)
     return out
 
 
-cdef bytes _frame(list group):
-    """The payloads as one MessagePack array, in one allocation of the exact size."""
-    cdef Py_ssize_t total = 0, n = len(group), at, size
+cdef bytes _frame(list calls_out, list payloads, Py_ssize_t* sizes, Py_ssize_t first, Py_ssize_t stop,
+                  Py_ssize_t count, Py_ssize_t total, double now):
+    """Entries first..stop (those with a size) as one frame of the exact size: a lone one as
+    itself, several under an array head."""
+    cdef Py_ssize_t at = 0 if count == 1 else (1 if count < 16 else 3 if count < 65536 else 5), i
     cdef bytes out
     cdef char* w
-    if n == 1:
-        return group[0]
-    for p in group:
-        total += PyBytes_GET_SIZE(p)
-    at = 1 if n < 16 else (3 if n < 65536 else 5)
+    cdef Buf b
+    cdef Call call
+    cdef object p
+    if count == 1:
+        for i in range(first, stop):
+            if sizes[i] >= 0 and payloads[i] is not None:
+                return <bytes>payloads[i]
     out = PyBytes_FromStringAndSize(NULL, total + at)
     w = PyBytes_AS_STRING(out)
-    if n < 16:
-        w[0] = <char>(0x90 | n)
-    elif n < 65536:
-        w[0], w[1], w[2] = <char>0xdc, <char>(n >> 8), <char>(n & 0xff)
+    if count == 1:
+        pass
+    elif count < 16:
+        w[0] = <char>(0x90 | count)
+    elif count < 65536:
+        w[0], w[1], w[2] = <char>0xdc, <char>(count >> 8), <char>(count & 0xff)
     else:
-        w[0], w[1], w[2], w[3], w[4] = <char>0xdd, <char>(n >> 24), <char>((n >> 16) & 0xff), <char>((n >> 8) & 0xff), <char>(n & 0xff)
-    for p in group:
-        size = PyBytes_GET_SIZE(p)
-        memcpy(w + at, PyBytes_AS_STRING(p), size)
-        at += size
+        w[0], w[1], w[2], w[3], w[4] = <char>0xdd, <char>(count >> 24), <char>((count >> 16) & 0xff), <char>((count >> 8) & 0xff), <char>(count & 0xff)
+    for i in range(first, stop):
+        if sizes[i] < 0:
+            continue
+        p = payloads[i]
+        if p is not None:
+            memcpy(w + at, PyBytes_AS_STRING(p), sizes[i])
+        else:  # the writer, on the frame's own bytes: sized exactly above, so it never grows them
+            call = <Call>calls_out[i]
+            b = Buf(w, at, at + sizes[i])
+            _container_head(&b, call.nkeys + 2, 0x80, 0xde)
+            _put(&b, PyBytes_AS_STRING(call.head), PyBytes_GET_SIZE(call.head))
+            _put(&b, "\xa2id", 3)
+            _int(&b, call.id)
+            _put(&b, "\xabdeadline_ms", 12)
+            _int(&b, _ms(call.deadline - now))
+            if b.size != at + sizes[i] or b.data != w:  # pragma: no cover - _request_size and the writer disagree
+                raise SystemError("a request's size was miscounted")
+        at += sizes[i]
     return out
 
 
@@ -657,12 +707,15 @@ cdef Layout _CHAT = _layout(ChatTokens)
 
 cdef object _build(Layout* layout, PyObject** values):
     """An instance of the layout's class with its fields, in order, set to `values` (as many as it has)."""
-    cdef PyObject* obj = PyType_GenericAlloc(layout.cls, 0)
+    # Declared as returning `object`, the allocation's own reference is the one returned: a cast of
+    # a `PyObject*` to `object` adds one, and every result (with its ids) would never be freed.
+    cdef object out = PyType_GenericAlloc(layout.cls, 0)
+    cdef PyObject* obj = <PyObject*>out
     cdef Py_ssize_t i
     for i in range(layout.n):
         Py_INCREF(values[i])
         (<PyObject**>((<char*>obj) + layout.offsets[i]))[0] = values[i]
-    return <object>obj  # takes over the allocation's reference
+    return out
 
 
 def build(type cls, tuple values) -> object:
