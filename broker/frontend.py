@@ -26,10 +26,10 @@ import zmq
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import NIL, Envelope, error_reply
 
-from ._core import Peek, peek_array, peek_request
+from ._core import Peek, add_reply, peek_array, peek_request
 from .oversized import id_in_place
 
-__all__ = ["Frontend", "Incoming", "Peek", "Peer", "peek_array", "peek_request", "split_envelope"]
+__all__ = ["Frontend", "Peek", "Peer", "peek_array", "peek_request", "split_envelope"]
 
 LARGE_PAYLOAD = 1024 * 1024  # a payload at least this long is received as a view of ZeroMQ's buffer, never copied
 
@@ -54,13 +54,6 @@ def split_envelope(frames: list[bytes]) -> tuple[Envelope, bytes | None]:
         return Envelope(identity, delimited=True), frames[2]
     delimited = len(frames) > 1 and frames[1] == b""
     return Envelope(identity, delimited), None
-
-
-@dataclass(slots=True)
-class Incoming:
-    envelope: Envelope
-    peek: Peek
-    peer: "Peer | None" = None  # who sent it, when the frontend was asked to tell (admin ops)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +86,11 @@ class Frontend:
         self.arrays: set[bytes] = set()  # connections that sent an array and still hold requests
         self.outbox: dict[Envelope, list[bytes | memoryview]] = {}  # their replies of this turn, sent by flush()
 
-    def receive(self) -> list[Incoming | None] | None:
-        """One message: its requests checked (one, or each element of an array), None for each one
-        answered here with an error. An empty array is nothing, and gets no reply.
+    def receive(self) -> "tuple[Envelope, Peer | None, Peek | list[Peek | None] | None] | None":
+        """One message: (its envelope, who sent it when asked, what it holds): a Peek, or an
+        array's Peeks; None for each request the frontend answered here with an error.
+        An empty array is nothing, and gets no reply. The loop hands it to its compiled intake
+        (broker/_core.pyx `Intake.take`) as it is: no object per request is built here.
 
         None when nothing is waiting.
         """
@@ -127,44 +122,39 @@ class Frontend:
         if raw is None:
             self.fail(envelope, NIL, ProtocolError("bad_request", "a message is an optional empty delimiter then "
                                                    f"one payload frame; got {len(frames) - 1} frames"))
-            return [None]
+            return envelope, peer, None
         if oversized is not None:
             self.fail(envelope, id_in_place(oversized.buffer), ProtocolError(
                 "too_large", f"payload is {len(oversized)} bytes; "
                 f"this broker takes at most {self.max_request_bytes} (--max-request-bytes)"))
-            return [None]
-        if raw and raw[0] in _ARRAYS:
-            return self._receive_array(envelope, raw, peer)
+            return envelope, peer, None
         try:
-            return [Incoming(envelope, peek_request(raw), peer)]
+            if raw and raw[0] in _ARRAYS:
+                return envelope, peer, self._array(envelope, peek_array(raw))
+            return envelope, peer, peek_request(raw)
         except ProtocolError as e:
             self.fail(envelope, NIL, e)
-            return [None]
+            return envelope, peer, None
 
-    def _receive_array(self, envelope: Envelope, raw: "bytes | memoryview", peer: "Peer | None") -> list[Incoming | None]:
-        try:
-            peeks = peek_array(raw)
-        except ProtocolError as e:
-            self.fail(envelope, NIL, e)
-            return [None]
+    def _array(self, envelope: Envelope, peeks: "list[Peek | ProtocolError]") -> "list[Peek | None]":
+        """An array's requests: each unreadable one answered here first (None in its place)."""
         if peeks:
             self.arrays.add(envelope.identity)  # before any reply: this connection's replies are coalesced
-        out: list[Incoming | None] = []
+        if not any(isinstance(p, ProtocolError) for p in peeks):
+            return peeks  # type: ignore[return-value]
+        out: "list[Peek | None]" = []
         for p in peeks:
             if isinstance(p, ProtocolError):
                 self.fail(envelope, NIL, p)
                 out.append(None)
             else:
-                out.append(Incoming(envelope, p, peer))
+                out.append(p)
         return out
 
     def reply(self, envelope: Envelope, payload: "bytes | memoryview") -> None:
-        """Hold a reply for `flush`, which sends the turn's replies together."""
-        held = self.outbox.get(envelope)
-        if held is None:
-            self.outbox[envelope] = [payload]
-        else:
-            held.append(payload)
+        """Hold a reply for `flush`, which sends the turn's replies together (the compiled intake
+        adds the workers' replies to the same outbox)."""
+        add_reply(self.outbox, envelope, payload)
 
     def flush(self, holding: "Container[bytes]") -> None:
         """End of a turn: send what the turn answered, back to back (ZeroMQ's I/O thread is woken
