@@ -39,6 +39,8 @@ from common._wire cimport (Head, read_head, skip, utf8_valid, K_NIL, K_BOOL, K_I
 
 from heapq import heapify, heappop, heappush
 
+from zmq import ZMQError
+
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import OUTCOMES as _OUTCOMES, SKIPPED as _SKIPPED
 
@@ -1880,6 +1882,53 @@ cdef inline void _add_reply(dict outbox, object envelope, object payload) except
         outbox[envelope] = [payload]
     else:
         (<list>held).append(payload)
+
+
+def send_replies(sock, dict outbox, set arrays, holding, send, array_header, Py_ssize_t frame_bytes, int more,
+                 int last, Py_ssize_t copy_below) -> None:
+    """Send a turn's held replies (broker/frontend.py `Frontend.flush` holds the design): to a
+    connection that speaks arrays, its replies in frames of at most `frame_bytes` past the
+    first, each an array header (`array_header(n)`) then the replies' bytes as the workers built them (a lone reply
+    goes as its map); to any other, each reply alone. `send` is pyzmq's Cython send, given int
+    flags (`more` for the envelope's frames, `last` for the payload); a payload under
+    `copy_below` bytes is copied into its message, a larger one leaves without a copy. A
+    connection not in `holding` stops being an array speaker. A send that fails (the client is
+    gone) costs only that reply: never the loop."""
+    cdef list payloads
+    cdef Py_ssize_t start, end, size, n
+    for envelope, found in outbox.items():
+        payloads = <list>found
+        identity = (<tuple>envelope)[0]
+        n = len(payloads)
+        if n == 1 or identity not in arrays:
+            for payload in payloads:
+                _send_reply(sock, send, envelope, identity, payload, more, last, copy_below)
+        else:
+            start = 0
+            while start < n:
+                end, size = start, 0
+                while end < n and (end == start or size + len(payloads[end]) <= frame_bytes):
+                    size += len(payloads[end])
+                    end += 1
+                if end - start == 1:
+                    _send_reply(sock, send, envelope, identity, payloads[start], more, last, copy_below)
+                else:
+                    _send_reply(sock, send, envelope, identity, array_header(end - start) + b"".join(payloads[start:end]),
+                                more, last, copy_below)
+                start = end
+        if identity in arrays and identity not in holding:
+            arrays.discard(identity)
+    outbox.clear()
+
+
+cdef void _send_reply(sock, send, envelope, identity, payload, int more, int last, Py_ssize_t copy_below) except *:
+    try:
+        send(sock, identity, more)
+        if (<tuple>envelope)[1]:
+            send(sock, b"", more)
+        send(sock, payload, last, len(payload) < copy_below)
+    except ZMQError:  # the client is gone (a ROUTER drops what a full queue cannot take)
+        pass
 
 
 def add_reply(dict outbox, envelope, payload) -> None:

@@ -26,7 +26,7 @@ import zmq
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import NIL, Envelope, error_reply
 
-from ._core import Peek, add_reply, peek_array, peek_request
+from ._core import Peek, add_reply, peek_array, peek_request, send_replies
 from .oversized import id_in_place
 
 __all__ = ["Frontend", "Peek", "Peer", "peek_array", "peek_request", "split_envelope"]
@@ -163,44 +163,9 @@ class Frontend:
         reply goes as its map); any other gets each reply alone, as in 1.1.
         `holding`: the connections that still have requests held; the others stop being array
         speakers here (they say so again with their next array), so the set stays small."""
-        if not self.outbox:
-            return
-        arrays, send = self.arrays, self._send
-        for envelope, payloads in self.outbox.items():
-            if envelope.identity not in arrays:
-                for payload in payloads:
-                    send(envelope, payload)
-                continue
-            if len(payloads) == 1:
-                send(envelope, payloads[0])
-            else:
-                start = 0
-                while start < len(payloads):
-                    end, size = start, 0
-                    while end < len(payloads) and (end == start or size + len(payloads[end]) <= REPLY_FRAME_BYTES):
-                        size += len(payloads[end])
-                        end += 1
-                    if end - start == 1:
-                        send(envelope, payloads[start])
-                    else:
-                        send(envelope, _PACKER.pack_array_header(end - start) + b"".join(payloads[start:end]))
-                    start = end
-            if envelope.identity not in holding:
-                arrays.discard(envelope.identity)
-        self.outbox.clear()
-
-    def _send(self, envelope: Envelope, payload: "bytes | memoryview") -> None:
-        """Frame by frame, through pyzmq's Cython send with plain int flags (its Python wrapper
-        and send_multipart cost more than the sends); a payload under ZeroMQ's copy threshold is
-        copied into the message, a larger one leaves without a copy."""
-        sock = self.sock
-        try:
-            _raw_send(sock, envelope.identity, _NOBLOCK_MORE)
-            if envelope.delimited:
-                _raw_send(sock, b"", _NOBLOCK_MORE)
-            _raw_send(sock, payload, _NOBLOCK, len(payload) < _COPY_THRESHOLD)
-        except zmq.ZMQError:  # the client is gone (a ROUTER drops what a full queue cannot take): never block the loop
-            pass
+        if self.outbox:  # the loop over the replies is compiled (broker/_core.pyx `send_replies`)
+            send_replies(self.sock, self.outbox, self.arrays, holding, _raw_send, _PACKER.pack_array_header,
+                         REPLY_FRAME_BYTES, _NOBLOCK_MORE, _NOBLOCK, _COPY_THRESHOLD)
 
     def fail(self, envelope: Envelope, raw_id: bytes, error: ProtocolError) -> None:
         """Answer `error`, the broker's one way to build an error reply: it echoes the id the error
