@@ -1984,12 +1984,16 @@ cdef class Intake:
 
     def take(self, envelope, peer, item, double now) -> int:
         """One client message (broker/frontend.py `Frontend.receive`): `item` a Peek, an array's
-        Peeks, or None for a request the frontend answered itself. Returns the payload bytes of
-        its requests (the loop bounds a turn by them)."""
+        Peeks and ProtocolErrors (`peek_array`), or None for a message the frontend answered
+        itself. Returns the payload bytes of its requests (the loop bounds a turn by them)."""
         cdef Py_ssize_t total = 0
         if type(item) is list:
+            for x in <list>item:  # the array's unreadable requests are answered first, as they were read
+                if type(x) is not Peek:
+                    self.other(envelope, peer, x, now)
             for x in <list>item:
-                total += self._one(envelope, peer, x, now)
+                if type(x) is Peek:
+                    total += self._one(envelope, peer, x, now)
             return total
         return self._one(envelope, peer, item, now)
 

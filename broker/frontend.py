@@ -86,9 +86,10 @@ class Frontend:
         self.arrays: set[bytes] = set()  # connections that sent an array and still hold requests
         self.outbox: dict[Envelope, list[bytes | memoryview]] = {}  # their replies of this turn, sent by flush()
 
-    def receive(self) -> "tuple[Envelope, Peer | None, Peek | list[Peek | None] | None] | None":
+    def receive(self) -> "tuple[Envelope, Peer | None, Peek | list[Peek | ProtocolError] | None] | None":
         """One message: (its envelope, who sent it when asked, what it holds): a Peek, or an
-        array's Peeks; None for each request the frontend answered here with an error.
+        array's Peeks and the ProtocolErrors that answer its unreadable requests (the loop
+        answers those first); None when the frontend answered the message here with an error.
         An empty array is nothing, and gets no reply. The loop hands it to its compiled intake
         (broker/_core.pyx `Intake.take`) as it is: no object per request is built here.
 
@@ -136,20 +137,10 @@ class Frontend:
             self.fail(envelope, NIL, e)
             return envelope, peer, None
 
-    def _array(self, envelope: Envelope, peeks: "list[Peek | ProtocolError]") -> "list[Peek | None]":
-        """An array's requests: each unreadable one answered here first (None in its place)."""
+    def _array(self, envelope: Envelope, peeks: "list[Peek | ProtocolError]") -> "list[Peek | ProtocolError]":
         if peeks:
             self.arrays.add(envelope.identity)  # before any reply: this connection's replies are coalesced
-        if not any(isinstance(p, ProtocolError) for p in peeks):
-            return peeks  # type: ignore[return-value]
-        out: "list[Peek | None]" = []
-        for p in peeks:
-            if isinstance(p, ProtocolError):
-                self.fail(envelope, NIL, p)
-                out.append(None)
-            else:
-                out.append(p)
-        return out
+        return peeks
 
     def reply(self, envelope: Envelope, payload: "bytes | memoryview") -> None:
         """Hold a reply for `flush`, which sends the turn's replies together (the compiled intake

@@ -47,6 +47,7 @@ SHUTDOWN_GRACE_S = 10.0
 MODEL_OPS = frozenset({"tokenize", "detokenize", "chat", "detokenize_stream"})  # `model` names a served model
 CATALOG_OPS = frozenset({"models", *ADMIN_OPS})  # answered by the broker from its catalog
 MEMO_MAX = 1024  # model names the intake remembers resolved (broker/_core.pyx `Intake.models`)
+MEMO_NAME_CHARS = 256  # and the longest it remembers (a longer name takes the loop's path each time)
 REAP_EVERY_S = 0.02  # children are looked at this often, and at once on SIGCHLD (fork mode: the template reports)
 PLAN_EVERY_S = 0.05  # placement looks again this often while requests queue (else once a second)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -229,10 +230,13 @@ class Broker:
                 return
             budget -= take(*got, now)
 
-    def _on_request(self, envelope: Envelope, peer: Peer | None, peek: Peek | None, now: float) -> None:
-        """A request the intake leaves to Python: None (answered by the frontend already), ping,
-        a catalog op, a refusal, a model it has not seen resolved (then it will have), a failed one."""
-        if peek is None:
+    def _on_request(self, envelope: Envelope, peer: Peer | None, peek: Peek | ProtocolError | None, now: float) -> None:
+        """A request the intake leaves to Python: None (answered by the frontend already), an
+        unreadable element of an array, ping, a catalog op, a refusal, a model it has not seen
+        resolved (then it will have), a failed one."""
+        if peek is None or isinstance(peek, ProtocolError):
+            if peek is not None:
+                self.frontend.fail(envelope, NIL, peek)
             self.metrics.request_done("invalid", "bad_request", 0.0)
             return
         if peek.op == "ping":
@@ -263,8 +267,11 @@ class Broker:
             self._memo(peek.model, entry.name if entry is not None else None)
 
     def _memo(self, model: str | None, name: str | None) -> None:
+        """Names are the clients' to choose: the memo stays small, in count and in bytes."""
+        if model is not None and len(model) > MEMO_NAME_CHARS:
+            return
         memo = self.intake.models
-        if len(memo) >= MEMO_MAX:  # names are the clients' to choose: the memo stays small
+        if len(memo) >= MEMO_MAX:
             memo.clear()
         memo[model] = name
 
