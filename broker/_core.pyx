@@ -39,7 +39,12 @@ from common._wire cimport (Head, read_head, skip, utf8_valid, K_NIL, K_BOOL, K_I
 
 from heapq import heapify, heappop, heappush
 
+from zmq import ZMQError
+
 from tokenbroker.common.errors import ProtocolError
+from tokenbroker.common.protocol import OUTCOMES as _OUTCOMES, SKIPPED as _SKIPPED
+
+assert _OUTCOMES[1] == _SKIPPED  # Intake.results reads outcome 1 as skipped
 
 ctypedef unsigned char uchar
 ctypedef unsigned long long u64
@@ -1160,7 +1165,7 @@ cdef class JobTable:
         self._next_id += 1
         return job_id
 
-    def admit(self, envelope, Peek peek, route, double now, double timeout_s, model, bint catalog) -> Job:
+    cpdef Job admit(self, envelope, Peek peek, route, double now, double timeout_s, model, bint catalog):
         """A new job for an admitted request, held from now on (one call per request)."""
         cdef Job job = Job.__new__(Job)
         job.job_id = self._next_id
@@ -1275,38 +1280,26 @@ def job_batch(list jobs, double now, Py_ssize_t start, Py_ssize_t max_jobs, Py_s
     return end, bytes(header), b"".join([(<Job>jobs[i]).raw for i in range(start, end)])
 
 
-def split_results(list body) -> list:
-    """The (job id, outcome, reply) of a W_RESULTS body, each reply a view of its frame (forwarded
-    without a copy); ValueError when the header and the replies disagree. An outcome byte past the
-    known ones reads "internal", so no peer can invent labels."""
-    from tokenbroker.common.protocol import OUTCOMES
+def check_results(list body) -> tuple:
+    """The (header, replies) of a W_RESULTS body once its records and its payload frame agree
+    (`Intake.results` walks them); ValueError otherwise, and the backend drops the message."""
     cdef Py_buffer hb
-    cdef const uchar* p
-    cdef Py_ssize_t n, i, at = 0, size, total = 0
-    cdef list out = []
-    cdef Py_ssize_t known = len(OUTCOMES)
+    cdef Py_ssize_t n, i, total = 0
     if len(body) != 2:
         raise ValueError(f"a result batch must be a header and one payload frame, got {len(body)} frames")
     header, blob = body
     if not header or len(header) % 13:
         raise ValueError(f"a result batch header of {len(header)} bytes is not a whole number of 13-byte records")
-    view = memoryview(blob)
     PyObject_GetBuffer(header, &hb, PyBUF_SIMPLE)
     try:
-        p = <const uchar*>hb.buf
         n = hb.len // 13
         for i in range(n):
-            total += <Py_ssize_t>_from_le(p + 13 * i + 9, 4)
-        if total != len(view):
-            raise ValueError(f"a result batch's records count {total} payload bytes, its frame has {len(view)}")
-        for i in range(n):
-            size = <Py_ssize_t>_from_le(p + 13 * i + 9, 4)
-            code = p[13 * i + 8]
-            out.append((_from_le(p + 13 * i, 8), OUTCOMES[code] if code < known else "internal", view[at:at + size]))
-            at += size
+            total += <Py_ssize_t>_from_le(<const uchar*>hb.buf + 13 * i + 9, 4)
     finally:
         PyBuffer_Release(&hb)
-    return out
+    if total != len(blob):
+        raise ValueError(f"a result batch's records count {total} payload bytes, its frame has {len(blob)}")
+    return header, blob
 
 
 # --- the router's policy for one pick (broker/router.py holds its design) ------------------
@@ -1856,6 +1849,10 @@ cdef class Dispatcher:
 def count_request(dict requests, dict latency, tuple bounds, str op, str outcome, double seconds) -> None:
     """One request answered: its (op, outcome) count and its latency in the op's plain histogram
     (per-bucket counts, not cumulative, then the sum). Called once per request, so compiled."""
+    _count(requests, latency, bounds, op, outcome, seconds)
+
+
+cdef void _count(dict requests, dict latency, tuple bounds, str op, str outcome, double seconds) except *:
     cdef Py_ssize_t i = 0, n = len(bounds)
     cdef list counts
     key = (op, outcome)
@@ -1872,3 +1869,226 @@ def count_request(dict requests, dict latency, tuple bounds, str op, str outcome
         i += 1
     counts[i] = <double>counts[i] + 1.0
     counts[n] = <double>counts[n] + seconds
+
+
+# --- the loop's per-frame and per-batch work (broker/loop.py keeps the policy, per turn) ----
+
+cdef object _UNSEEN = object()  # a `model` the intake's table does not know yet
+
+
+cdef inline void _add_reply(dict outbox, object envelope, object payload) except *:
+    held = outbox.get(envelope)
+    if held is None:
+        outbox[envelope] = [payload]
+    else:
+        (<list>held).append(payload)
+
+
+def send_replies(sock, dict outbox, set arrays, holding, send, array_header, Py_ssize_t frame_bytes, int more,
+                 int last, Py_ssize_t copy_below) -> None:
+    """Send a turn's held replies (broker/frontend.py `Frontend.flush` holds the design): to a
+    connection that speaks arrays, its replies in frames of at most `frame_bytes` past the
+    first, each an array header (`array_header(n)`) then the replies' bytes as the workers built them (a lone reply
+    goes as its map); to any other, each reply alone. `send` is pyzmq's Cython send, given int
+    flags (`more` for the envelope's frames, `last` for the payload); a payload under
+    `copy_below` bytes is copied into its message, a larger one leaves without a copy. A
+    connection not in `holding` stops being an array speaker. A send that fails (the client is
+    gone) costs only that reply: never the loop."""
+    cdef list payloads
+    cdef Py_ssize_t start, end, size, n
+    for envelope, found in outbox.items():
+        payloads = <list>found
+        identity = (<tuple>envelope)[0]
+        n = len(payloads)
+        if n == 1 or identity not in arrays:
+            for payload in payloads:
+                _send_reply(sock, send, envelope, identity, payload, more, last, copy_below)
+        else:
+            start = 0
+            while start < n:
+                end, size = start, 0
+                while end < n and (end == start or size + len(payloads[end]) <= frame_bytes):
+                    size += len(payloads[end])
+                    end += 1
+                if end - start == 1:
+                    _send_reply(sock, send, envelope, identity, payloads[start], more, last, copy_below)
+                else:
+                    _send_reply(sock, send, envelope, identity, array_header(end - start) + b"".join(payloads[start:end]),
+                                more, last, copy_below)
+                start = end
+        if identity in arrays and identity not in holding:
+            arrays.discard(identity)
+    outbox.clear()
+
+
+cdef void _send_reply(sock, send, envelope, identity, payload, int more, int last, Py_ssize_t copy_below) except *:
+    try:
+        send(sock, identity, more)
+        if (<tuple>envelope)[1]:
+            send(sock, b"", more)
+        send(sock, payload, last, len(payload) < copy_below)
+    except ZMQError:  # the client is gone (a ROUTER drops what a full queue cannot take)
+        pass
+
+
+def add_reply(dict outbox, envelope, payload) -> None:
+    """Hold a reply in a frontend's outbox (broker/frontend.py `Frontend.reply`, and the intake)."""
+    _add_reply(outbox, envelope, payload)
+
+
+cdef class Intake:
+    """The loop's per-request and per-result work in one compiled call per frame and per W_RESULTS
+    batch (broker/loop.py): admission, the route key, the job table, the queue, the replies and
+    the request counters. Python keeps everything that is not the common case, through `other`
+    (ping, the catalog ops, refusals, unreadable requests, a `model` not in `models` yet) and
+    `late` (a job its worker skipped or answered empty): exceptional paths, in arrival order.
+
+    `models` is the loop's memo of `Catalog.resolve` for the requests that need nothing else
+    from Python: a request's `model` (None: the default) -> the catalog entry's name, or None
+    when the catalog has no entry for it (a worker's own model, or one nobody serves). The loop
+    fills it after handling such a request itself and clears it whenever the catalog or placement
+    may have changed, so a memo never outlives what it read."""
+
+    cdef public JobTable jobs
+    cdef public Dispatcher dispatcher
+    cdef public dict models
+    cdef public bint affinity
+    cdef public bint stopping           # the broker is shutting down: every new request is refused
+    cdef public double timeout_s        # a request's deadline when it sets none
+    cdef public long long max_pending, max_pending_bytes, max_client_pending
+    cdef dict outbox, requests, latency, model_requests
+    cdef tuple bounds
+    cdef object other, late
+
+    def __init__(self, JobTable jobs, Dispatcher dispatcher, dict outbox, dict requests, dict latency, tuple bounds,
+                 dict model_requests, other, late, *, bint affinity, double timeout_s, long long max_pending,
+                 long long max_pending_bytes, long long max_client_pending):
+        self.jobs = jobs
+        self.dispatcher = dispatcher
+        self.models = {}
+        self.outbox = outbox
+        self.requests = requests
+        self.latency = latency
+        self.bounds = bounds
+        self.model_requests = model_requests
+        self.other = other
+        self.late = late
+        self.affinity = affinity
+        self.stopping = False
+        self.timeout_s = timeout_s
+        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        self.max_client_pending = max_client_pending
+
+    # --- requests
+
+    def take(self, envelope, peer, item, double now) -> int:
+        """One client message (broker/frontend.py `Frontend.receive`): `item` a Peek, an array's
+        Peeks and ProtocolErrors (`peek_array`), or None for a message the frontend answered
+        itself. Returns the payload bytes of its requests (the loop bounds a turn by them)."""
+        cdef Py_ssize_t total = 0
+        if type(item) is list:
+            for x in <list>item:  # the array's unreadable requests are answered first, as they were read
+                if type(x) is not Peek:
+                    self.other(envelope, peer, x, now)
+            for x in <list>item:
+                if type(x) is Peek:
+                    total += self._one(envelope, peer, x, now)
+            return total
+        return self._one(envelope, peer, item, now)
+
+    cdef Py_ssize_t _one(self, envelope, peer, item, double now) except -1:
+        cdef Peek peek
+        cdef Py_ssize_t size
+        if type(item) is not Peek:
+            self.other(envelope, peer, item, now)
+            return 0
+        peek = <Peek>item
+        size = len(peek.body)
+        if not self._fast(envelope, peek, size, now):
+            self.other(envelope, peer, peek, now)
+        return size
+
+    cdef bint _fast(self, envelope, Peek peek, Py_ssize_t size, double now) except -1:
+        """Admit a request that needs no Python: False leaves it to `other`."""
+        cdef str op = peek.op
+        model = None
+        if op is OP_TOKENIZE or op is OP_DETOKENIZE or op is OP_CHAT or op is OP_STREAM or (
+                op is OP_COUNT and peek.model is not None):
+            entry = self.models.get(peek.model, _UNSEEN)
+            if entry is _UNSEEN:
+                return False
+            if entry is not None:
+                model = entry
+            elif op is not OP_COUNT:
+                model = peek.model
+        elif op is not OP_COUNT:
+            return False
+        else:
+            entry = None
+        if self.refusal(envelope[0], size) is not None:
+            return False
+        self.hold(envelope, peek, now, model, entry is not None)
+        return True
+
+    cpdef object refusal(self, bytes client, Py_ssize_t size):
+        """Why a new request cannot be held now (answered overloaded), or None."""
+        cdef long long waiting = self.dispatcher.waiting, held = self.jobs.held_bytes
+        if self.stopping:
+            return "the broker is shutting down"
+        if waiting >= self.max_pending or held + size > self.max_pending_bytes:
+            return (f"{waiting} requests ({held} bytes) are queued "
+                    f"(--max-pending {self.max_pending}, --max-pending-bytes {self.max_pending_bytes})")
+        if <long long>self.jobs.per_client.get(client, 0) >= self.max_client_pending:
+            return f"this connection has {self.max_client_pending} requests held (--max-client-pending)"
+        return None
+
+    cpdef Job hold(self, envelope, Peek peek, double now, model, bint catalog):
+        """Hold an admitted request: its route key, its job (deadline from now), the queue.
+        `model`: the served model it names, `catalog`: a catalog entry's (counted per model)."""
+        deadline_ms = peek.deadline_ms
+        cdef double timeout_s = <double>(<long long>deadline_ms) / 1000.0 if deadline_ms else self.timeout_s
+        route = route_key(peek) if self.affinity else None
+        cdef Job job = self.jobs.admit(envelope, peek, route, now, timeout_s, model, catalog)
+        if catalog:
+            self.model_requests[model] = self.model_requests.get(model, 0) + 1
+        self.dispatcher.enqueue(job)
+        return job
+
+    # --- results
+
+    def results(self, bytes wid, header, blob, double now) -> None:
+        """A worker's W_RESULTS batch (checked by `check_results`): each job it held is finished
+        and let go, and its reply, a view of the frame, goes to the outbox and the counters. A
+        job answered skipped or empty goes to `late` (the broker answers timeout)."""
+        cdef Py_buffer hb
+        cdef const uchar* p
+        cdef Py_ssize_t n, i, at = 0, size, known = len(_OUTCOMES)
+        cdef int code
+        cdef Job job
+        cdef JobTable jobs = self.jobs
+        cdef Dispatcher dispatcher = self.dispatcher
+        view = memoryview(blob)
+        PyObject_GetBuffer(header, &hb, PyBUF_SIMPLE)
+        try:
+            p = <const uchar*>hb.buf
+            n = hb.len // 13
+            for i in range(n):
+                size = <Py_ssize_t>_from_le(p + 13 * i + 9, 4)
+                code = p[13 * i + 8]
+                found = dispatcher.finish(wid, <long long>_from_le(p + 13 * i, 8), code == 0)
+                if found is not None:
+                    job = <Job>found
+                    jobs.release(job)
+                    if job.answered:
+                        pass
+                    elif code == 1 or size == 0:  # skipped: the worker saw the budget run out a moment before the broker
+                        self.late(job, now)
+                    else:
+                        job.answered = True
+                        _add_reply(self.outbox, job.envelope, view[at:at + size])
+                        _count(self.requests, self.latency, self.bounds, job.op,
+                               <str>_OUTCOMES[code] if code < known else "internal", now - job.received)
+                at += size
+        finally:
+            PyBuffer_Release(&hb)

@@ -41,7 +41,7 @@ from tokenbroker.common.protocol import (
     Ready,
 )
 
-from ._core import Job, job_batch, split_results
+from ._core import Job, check_results, job_batch
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,12 @@ class Joined:
 
 @dataclass(frozen=True)
 class Results:
+    """A W_RESULTS batch, checked (its records agree with its payload frame): the loop's compiled
+    intake walks it (broker/_core.pyx `Intake.results`), no object per result built here."""
+
     wid: bytes
-    results: list[tuple[int, str, memoryview]]  # (job id, outcome, reply payload: a view of the frame, empty when skipped)
+    header: bytes  # RESULT records (common/protocol.py): job id, outcome, reply bytes
+    replies: bytes  # the replies, back to back
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,7 @@ class Backend:
             return []
         if kind == W_RESULTS and worker is not None:  # (None: answered B_RESET above)
             try:
-                return [Results(wid, split_results(body))]
+                return [Results(wid, *check_results(body))]
             except ValueError as e:
                 return self._drop("results", "worker %s sent a malformed RESULTS: %s", worker.name, e)
         if kind == W_HEARTBEAT and worker is not None:

@@ -26,10 +26,10 @@ import zmq
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import NIL, Envelope, error_reply
 
-from ._core import Peek, peek_array, peek_request
+from ._core import Peek, add_reply, peek_array, peek_request, send_replies
 from .oversized import id_in_place
 
-__all__ = ["Frontend", "Incoming", "Peek", "Peer", "peek_array", "peek_request", "split_envelope"]
+__all__ = ["Frontend", "Peek", "Peer", "peek_array", "peek_request", "split_envelope"]
 
 LARGE_PAYLOAD = 1024 * 1024  # a payload at least this long is received as a view of ZeroMQ's buffer, never copied
 
@@ -54,13 +54,6 @@ def split_envelope(frames: list[bytes]) -> tuple[Envelope, bytes | None]:
         return Envelope(identity, delimited=True), frames[2]
     delimited = len(frames) > 1 and frames[1] == b""
     return Envelope(identity, delimited), None
-
-
-@dataclass(slots=True)
-class Incoming:
-    envelope: Envelope
-    peek: Peek
-    peer: "Peer | None" = None  # who sent it, when the frontend was asked to tell (admin ops)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +86,12 @@ class Frontend:
         self.arrays: set[bytes] = set()  # connections that sent an array and still hold requests
         self.outbox: dict[Envelope, list[bytes | memoryview]] = {}  # their replies of this turn, sent by flush()
 
-    def receive(self) -> list[Incoming | None] | None:
-        """One message: its requests checked (one, or each element of an array), None for each one
-        answered here with an error. An empty array is nothing, and gets no reply.
+    def receive(self) -> "tuple[Envelope, Peer | None, Peek | list[Peek | ProtocolError] | None] | None":
+        """One message: (its envelope, who sent it when asked, what it holds): a Peek, or an
+        array's Peeks and the ProtocolErrors that answer its unreadable requests (the loop
+        answers those first); None when the frontend answered the message here with an error.
+        An empty array is nothing, and gets no reply. The loop hands it to its compiled intake
+        (broker/_core.pyx `Intake.take`) as it is: no object per request is built here.
 
         None when nothing is waiting.
         """
@@ -127,44 +123,29 @@ class Frontend:
         if raw is None:
             self.fail(envelope, NIL, ProtocolError("bad_request", "a message is an optional empty delimiter then "
                                                    f"one payload frame; got {len(frames) - 1} frames"))
-            return [None]
+            return envelope, peer, None
         if oversized is not None:
             self.fail(envelope, id_in_place(oversized.buffer), ProtocolError(
                 "too_large", f"payload is {len(oversized)} bytes; "
                 f"this broker takes at most {self.max_request_bytes} (--max-request-bytes)"))
-            return [None]
-        if raw and raw[0] in _ARRAYS:
-            return self._receive_array(envelope, raw, peer)
+            return envelope, peer, None
         try:
-            return [Incoming(envelope, peek_request(raw), peer)]
+            if raw and raw[0] in _ARRAYS:
+                return envelope, peer, self._array(envelope, peek_array(raw))
+            return envelope, peer, peek_request(raw)
         except ProtocolError as e:
             self.fail(envelope, NIL, e)
-            return [None]
+            return envelope, peer, None
 
-    def _receive_array(self, envelope: Envelope, raw: "bytes | memoryview", peer: "Peer | None") -> list[Incoming | None]:
-        try:
-            peeks = peek_array(raw)
-        except ProtocolError as e:
-            self.fail(envelope, NIL, e)
-            return [None]
+    def _array(self, envelope: Envelope, peeks: "list[Peek | ProtocolError]") -> "list[Peek | ProtocolError]":
         if peeks:
             self.arrays.add(envelope.identity)  # before any reply: this connection's replies are coalesced
-        out: list[Incoming | None] = []
-        for p in peeks:
-            if isinstance(p, ProtocolError):
-                self.fail(envelope, NIL, p)
-                out.append(None)
-            else:
-                out.append(Incoming(envelope, p, peer))
-        return out
+        return peeks
 
     def reply(self, envelope: Envelope, payload: "bytes | memoryview") -> None:
-        """Hold a reply for `flush`, which sends the turn's replies together."""
-        held = self.outbox.get(envelope)
-        if held is None:
-            self.outbox[envelope] = [payload]
-        else:
-            held.append(payload)
+        """Hold a reply for `flush`, which sends the turn's replies together (the compiled intake
+        adds the workers' replies to the same outbox)."""
+        add_reply(self.outbox, envelope, payload)
 
     def flush(self, holding: "Container[bytes]") -> None:
         """End of a turn: send what the turn answered, back to back (ZeroMQ's I/O thread is woken
@@ -173,44 +154,9 @@ class Frontend:
         reply goes as its map); any other gets each reply alone, as in 1.1.
         `holding`: the connections that still have requests held; the others stop being array
         speakers here (they say so again with their next array), so the set stays small."""
-        if not self.outbox:
-            return
-        arrays, send = self.arrays, self._send
-        for envelope, payloads in self.outbox.items():
-            if envelope.identity not in arrays:
-                for payload in payloads:
-                    send(envelope, payload)
-                continue
-            if len(payloads) == 1:
-                send(envelope, payloads[0])
-            else:
-                start = 0
-                while start < len(payloads):
-                    end, size = start, 0
-                    while end < len(payloads) and (end == start or size + len(payloads[end]) <= REPLY_FRAME_BYTES):
-                        size += len(payloads[end])
-                        end += 1
-                    if end - start == 1:
-                        send(envelope, payloads[start])
-                    else:
-                        send(envelope, _PACKER.pack_array_header(end - start) + b"".join(payloads[start:end]))
-                    start = end
-            if envelope.identity not in holding:
-                arrays.discard(envelope.identity)
-        self.outbox.clear()
-
-    def _send(self, envelope: Envelope, payload: "bytes | memoryview") -> None:
-        """Frame by frame, through pyzmq's Cython send with plain int flags (its Python wrapper
-        and send_multipart cost more than the sends); a payload under ZeroMQ's copy threshold is
-        copied into the message, a larger one leaves without a copy."""
-        sock = self.sock
-        try:
-            _raw_send(sock, envelope.identity, _NOBLOCK_MORE)
-            if envelope.delimited:
-                _raw_send(sock, b"", _NOBLOCK_MORE)
-            _raw_send(sock, payload, _NOBLOCK, len(payload) < _COPY_THRESHOLD)
-        except zmq.ZMQError:  # the client is gone (a ROUTER drops what a full queue cannot take): never block the loop
-            pass
+        if self.outbox:  # the loop over the replies is compiled (broker/_core.pyx `send_replies`)
+            send_replies(self.sock, self.outbox, self.arrays, holding, _raw_send, _PACKER.pack_array_header,
+                         REPLY_FRAME_BYTES, _NOBLOCK_MORE, _NOBLOCK, _COPY_THRESHOLD)
 
     def fail(self, envelope: Envelope, raw_id: bytes, error: ProtocolError) -> None:
         """Answer `error`, the broker's one way to build an error reply: it echoes the id the error

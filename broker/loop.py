@@ -23,16 +23,16 @@ import zmq
 
 from tokenbroker import __version__
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import ADMIN_OPS, SKIPPED, W_BYE, ok_reply, req, unpack
+from tokenbroker.common.protocol import ADMIN_OPS, NIL, W_BYE, Envelope, ok_reply, req, unpack
 
 from .affinity import route_key
 from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
 from .catalog import FAILED, LOADING, WORKER, Catalog, Entry, add_model_spec, served_backends
 from .config import BrokerConfig
 from .dispatch import Dispatcher, Job
-from .jobs import JobTable
-from .frontend import Frontend, Incoming
-from .metrics import PoolMetrics
+from .jobs import Intake, JobTable
+from .frontend import Frontend, Peek, Peer
+from .metrics import LATENCY_BUCKETS, PoolMetrics
 from .placement import Load, Placement
 from .router import Router
 from .snapshot import ModelView, PoolSnapshot, WorkerView
@@ -46,6 +46,8 @@ PUBLISH_EVERY_S = 0.1  # the exporter's view of the pool is at most this old
 SHUTDOWN_GRACE_S = 10.0
 MODEL_OPS = frozenset({"tokenize", "detokenize", "chat", "detokenize_stream"})  # `model` names a served model
 CATALOG_OPS = frozenset({"models", *ADMIN_OPS})  # answered by the broker from its catalog
+MEMO_MAX = 1024  # model names the intake remembers resolved (broker/_core.pyx `Intake.models`)
+MEMO_NAME_CHARS = 256  # and the longest it remembers (a longer name takes the loop's path each time)
 REAP_EVERY_S = 0.02  # children are looked at this often, and at once on SIGCHLD (fork mode: the template reports)
 PLAN_EVERY_S = 0.05  # placement looks again this often while requests queue (else once a second)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -91,10 +93,16 @@ class Broker:
                                      worker_bytes=config.worker_max_bytes, eligible=self.placement.eligible,
                                      long_off_loop=not (caches.l0_enabled or caches.l1_enabled))
         self.removing: set[str] = set()  # models removed whose queued jobs are still being served
-        self.replan = True  # placement has something new to look at
         self.next_plan = 0.0
         self.jobs = JobTable()  # every job held, queued or at a worker, until answered
-        self.affinity = config.routing == "affinity"
+        # The per-request and per-result work, compiled; what is not the common case comes back
+        # here (`_on_request`, `_late`). It counts into the metrics' own plain dicts (read per scrape).
+        self.intake = Intake(self.jobs, self.dispatcher, frontend.outbox, metrics._requests, metrics._latency,
+                             LATENCY_BUCKETS, metrics._model_requests, self._on_request, self._late,
+                             affinity=config.routing == "affinity", timeout_s=config.request_timeout_ms / 1000,
+                             max_pending=config.max_pending, max_pending_bytes=config.max_pending_bytes,
+                             max_client_pending=config.max_client_pending)
+        self.replan = True  # placement has something new to look at
         self.stopping_since: float | None = None
         self.next_publish = 0.0
         lim = config.models.limits
@@ -107,6 +115,19 @@ class Broker:
         self.poller.register(backend.sock, zmq.POLLIN)
         self.poller.register(wakeup.fileno(), zmq.POLLIN)
         self.next_reap = 0.0
+
+    @property
+    def replan(self) -> bool:
+        """Placement has something new to look at. Setting it also drops the intake's memo of
+        resolved models: whatever made placement look again may change what a name resolves to
+        or who holds it."""
+        return self._replan
+
+    @replan.setter
+    def replan(self, value: bool) -> None:
+        self._replan = value
+        if value:
+            self.intake.models.clear()
 
     # --- start -------------------------------------------------------------------------
 
@@ -162,6 +183,7 @@ class Broker:
                 if self._stop_requested() and self.stopping_since is None:
                     log.info("stopping: answering the %d requests held", len(self.jobs))
                     self.stopping_since = now
+                    self.intake.stopping = True  # every new request is refused from now on
             if back in ready:
                 self._on_backend(now)
             if front in ready:
@@ -196,24 +218,27 @@ class Broker:
     # --- frontend ----------------------------------------------------------------------
 
     def _on_frontend(self, now: float) -> None:
-        """Drain the frontend (up to a turn's bounds); each request of a message, alone or one of
-        an array, is admitted, routed and deadlined on its own."""
+        """Drain the frontend (up to a turn's bounds): one compiled call per message admits,
+        routes and deadlines each of its requests, alone or one of an array (`Intake.take`)."""
         budget = FRONTEND_BATCH_BYTES
+        receive, take = self.frontend.receive, self.intake.take
         for _ in range(FRONTEND_BATCH):
             if budget <= 0:
                 return
-            incomings = self.frontend.receive()
-            if incomings is None:
+            got = receive()
+            if got is None:
                 return
-            for incoming in incomings:
-                if incoming is None:
-                    self.metrics.request_done("invalid", "bad_request", 0.0)
-                else:
-                    budget -= len(incoming.peek.body)
-                    self._on_request(incoming, now)
+            budget -= take(*got, now)
 
-    def _on_request(self, incoming: Incoming, now: float) -> None:
-        peek, envelope = incoming.peek, incoming.envelope
+    def _on_request(self, envelope: Envelope, peer: Peer | None, peek: Peek | ProtocolError | None, now: float) -> None:
+        """A request the intake leaves to Python: None (answered by the frontend already), an
+        unreadable element of an array, ping, a catalog op, a refusal, a model it has not seen
+        resolved (then it will have), a failed one."""
+        if peek is None or isinstance(peek, ProtocolError):
+            if peek is not None:
+                self.frontend.fail(envelope, NIL, peek)
+            self.metrics.request_done("invalid", "bad_request", 0.0)
+            return
         if peek.op == "ping":
             self.frontend.reply(envelope, ok_reply(peek.raw_id, {
                 "workers": self.backend.ready_count(), "version": __version__, "worker": "broker",
@@ -221,51 +246,38 @@ class Broker:
             self.metrics.request_done("ping", "ok", 0.0)
             return
         if peek.op in CATALOG_OPS:
-            self._on_catalog_op(incoming)
+            self._on_catalog_op(envelope, peer, peek)
             return
-        body = peek.body
-        why = self._refusal(envelope.identity, len(body))
+        why = self.intake.refusal(envelope.identity, len(peek.body))
         if why is not None:
             self.frontend.fail(envelope, peek.raw_id, ProtocolError("overloaded", f"{why}; retry later"))
             self.metrics.request_done(peek.op, "overloaded", 0.0)
             return
-        entry = self._entry_of(peek.op, peek.model)
+        names_entry = peek.op in MODEL_OPS or (peek.op == "count" and peek.model is not None)
+        entry = self.catalog.resolve(peek.model) if names_entry else None
         if entry is not None and entry.state == FAILED:
             self.frontend.fail(envelope, peek.raw_id, self._failed(entry.name))
             self.metrics.request_done(peek.op, "unknown_model", 0.0)
             return
-        timeout_ms = peek.deadline_ms or self.config.request_timeout_ms
-        route = route_key(peek) if self.affinity else None
-        job = self.jobs.admit(envelope, peek, route, now, timeout_ms / 1000,
-                              entry.name if entry is not None else (peek.model if peek.op in MODEL_OPS else None),
-                              entry is not None)
-        if entry is not None:
-            self.metrics.model_request(entry.name)
-            self.replan |= not self.placement.holders(entry.name)
-        self.dispatcher.enqueue(job)
+        self.intake.hold(envelope, peek, now, entry.name if entry is not None else (
+            peek.model if peek.op in MODEL_OPS else None), entry is not None)
+        if entry is not None and not self.placement.holders(entry.name):
+            self.replan = True
+        elif names_entry:  # the next request naming it needs no Python, until the catalog or placement changes
+            self._memo(peek.model, entry.name if entry is not None else None)
 
-    def _entry_of(self, op: str, name: str | None) -> Entry | None:
-        """The catalog model a job names, if any. Ops that tokenize name a catalog model or the
-        default; `count` does when its model is one (else the worker's counting ladder resolves it)."""
-        if op in MODEL_OPS or (op == "count" and name is not None):
-            return self.catalog.resolve(name)
-        return None
+    def _memo(self, model: str | None, name: str | None) -> None:
+        """Names are the clients' to choose: the memo stays small, in count and in bytes."""
+        if model is not None and len(model) > MEMO_NAME_CHARS:
+            return
+        memo = self.intake.models
+        if len(memo) >= MEMO_MAX:
+            memo.clear()
+        memo[model] = name
 
     def _failed(self, model: str) -> ProtocolError:
         return ProtocolError("unknown_model", f"field 'model': model {model!r} failed to load: "
                              f"{self.catalog.entries[model].error}")
-
-    def _refusal(self, client: bytes, size: int) -> str | None:
-        """Why a new request cannot be held now (answered overloaded), or None."""
-        c = self.config
-        if self.stopping_since is not None:
-            return "the broker is shutting down"
-        if self.dispatcher.waiting >= c.max_pending or self.jobs.held_bytes + size > c.max_pending_bytes:
-            return (f"{self.dispatcher.waiting} requests ({self.jobs.held_bytes} bytes) are queued "
-                    f"(--max-pending {c.max_pending}, --max-pending-bytes {c.max_pending_bytes})")
-        if self.jobs.held_by(client) >= c.max_client_pending:
-            return f"this connection has {c.max_client_pending} requests held (--max-client-pending)"
-        return None
 
     @staticmethod
     def _timeout(job: Job) -> ProtocolError:
@@ -274,11 +286,6 @@ class Broker:
 
     def _release(self, job: Job) -> None:
         self.jobs.release(job)
-
-    def _answer(self, job: Job, payload: "bytes | memoryview", outcome: str, now: float) -> None:
-        job.answered = True
-        self.frontend.reply(job.envelope, payload)
-        self.metrics.request_done(job.op, outcome, now - job.received)
 
     def _fail(self, job: Job, error: ProtocolError, now: float) -> None:
         """Answer a held job with `error` (through Frontend.fail), counted by its code."""
@@ -325,21 +332,13 @@ class Broker:
                 log.exception("could not handle a backend event %s", type(event).__name__)
 
     def _on_results(self, event: Results, now: float) -> None:
-        wid, finish, release, reply, done = event.wid, self.dispatcher.finish, self.jobs.release, self.frontend.reply, self.metrics.request_done
-        for job_id, outcome, payload in event.results:
-            job = finish(wid, job_id, outcome == "ok")
-            if job is None:
-                continue  # a late answer for a job already retried elsewhere, or not this worker's
-            release(job)
-            if job.answered:
-                continue
-            if outcome == SKIPPED or not payload:  # the worker saw the budget run out a moment before the broker
-                self._fail(job, self._timeout(job), now)
-            else:  # _answer, inlined: this runs once per request
-                job.answered = True
-                reply(job.envelope, payload)
-                done(job.op, outcome, now - job.received)
-        self._gone_if_idle(wid, now)
+        """Finished, let go and replied in the core (`Intake.results`); `_late` answers the jobs
+        a worker skipped (or answered empty) because their budget ran out."""
+        self.intake.results(event.wid, event.header, event.replies, now)
+        self._gone_if_idle(event.wid, now)
+
+    def _late(self, job: Job, now: float) -> None:
+        self._fail(job, self._timeout(job), now)
 
     def _gone_if_idle(self, wid: bytes, now: float) -> None:
         state = self.backend.workers.get(wid)
@@ -424,10 +423,8 @@ class Broker:
 
     # --- the model catalog (docs/protocol.md "The model catalog") ----------------------
 
-    def _on_catalog_op(self, incoming: Incoming) -> None:
+    def _on_catalog_op(self, envelope: Envelope, peer: Peer | None, peek: Peek) -> None:
         """`models`, `add_model`, `remove_model`: answered here, from the catalog."""
-        peek, envelope = incoming.peek, incoming.envelope
-        peer = incoming.peer
         try:
             if peek.op in ADMIN_OPS and not self.is_admin(peer.user_id if peer else None, peer.address if peer else None):
                 raise ProtocolError("forbidden", f"op {peek.op!r} is an admin op: use it from a loopback connection, "
@@ -460,6 +457,7 @@ class Broker:
         if entry is None or entry.removing:
             raise ProtocolError("unknown_model", f"field 'name': the catalog holds no model {name!r}")
         entry.removing = True
+        self.intake.models.clear()  # the name resolves to nothing from now on
         self.removing.add(name)
         log.info("remove_model %s: its queued requests are served where a worker holds it, then it goes", name)
         return {"removed": True}
@@ -557,6 +555,7 @@ class Broker:
                 self.backend.send_load(action.wid, replace(spec, share=action.share) if action.share else spec)
             else:
                 self.backend.send_unload(action.wid, action.model)
+        self.intake.models.clear()  # a plan may change who holds a model: names are resolved afresh
 
     def _model_snapshot(self) -> dict[str, ModelView]:
         replicas = self.placement.replicas()
