@@ -5,8 +5,8 @@
 #
 # A file of its own, not the reader's: the reader meets hostile bytes and is all bounds checks; the
 # writer writes our own values into room its caller made, and its growing buffer raises Python
-# exceptions (MemoryError, ValueError), which the reader never does. A core that only reads (the
-# broker's request peek) need not cimport this.
+# exceptions (MemoryError, ValueError), which the reader never does. A core that only reads need
+# not cimport this.
 #
 # Two layers:
 # - `put_*`: write at `o`, return the pointer past what was written; the caller made the room
@@ -14,9 +14,9 @@
 #   worker's replies, the broker's batch records). A length must be below 2**32 (the caller's
 #   bound; `buf_*` checks it).
 # - `Buf` and `buf_*`: a growing buffer (PyMem) for values whose size is not known up front (the
-#   client's requests); a length of 2**32 or more raises ValueError, as msgpack does.
+#   client's requests); `buf_head` refuses a length of 2**32 or more with ValueError, as msgpack does.
 #
-# In a core: `from common._pack cimport put_uint, put_array_head, Buf, buf_take, ...`.
+# In a core: `from common._pack cimport put_uint, put_array_head, Buf, buf_head, H_STR, buf_take, ...`.
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
@@ -214,30 +214,29 @@ cdef inline int buf_f64(Buf* b, double d) except -1:
     return buf_done(b, put_f64(buf_room(b, HEAD_MAX), d))
 
 
-cdef inline int _fits(Py_ssize_t n, str what) except -1:
+cdef enum HeadOf:  # which head buf_head writes
+    H_STR = 0
+    H_BIN = 1
+    H_ARRAY = 2
+    H_MAP = 3
+
+
+cdef inline int buf_head(Buf* b, HeadOf kind, Py_ssize_t n) except -1:
+    """The head of a str or bin of n bytes, of an array of n items, of a map of n pairs (a constant
+    `kind`: the inlined call keeps only its own branch)."""
+    cdef unsigned char* o
     if <size_t>n > 0xffffffff:
-        raise ValueError(f"{what} is too large")
-    return 0
-
-
-cdef inline int buf_str_head(Buf* b, Py_ssize_t n) except -1:
-    _fits(n, "str")
-    return buf_done(b, put_str_head(buf_room(b, HEAD_MAX), n))
-
-
-cdef inline int buf_bin_head(Buf* b, Py_ssize_t n) except -1:
-    _fits(n, "bin")
-    return buf_done(b, put_bin_head(buf_room(b, HEAD_MAX), n))
-
-
-cdef inline int buf_array_head(Buf* b, Py_ssize_t n) except -1:
-    _fits(n, "container")
-    return buf_done(b, put_array_head(buf_room(b, HEAD_MAX), n))
-
-
-cdef inline int buf_map_head(Buf* b, Py_ssize_t n) except -1:
-    _fits(n, "container")
-    return buf_done(b, put_map_head(buf_room(b, HEAD_MAX), n))
+        raise ValueError(("str", "bin", "container", "container")[<int>kind] + " is too large")
+    o = buf_room(b, HEAD_MAX)
+    if kind == H_STR:
+        o = put_str_head(o, n)
+    elif kind == H_BIN:
+        o = put_bin_head(o, n)
+    elif kind == H_ARRAY:
+        o = put_array_head(o, n)
+    else:
+        o = put_map_head(o, n)
+    return buf_done(b, o)
 
 
 cdef inline bytes buf_bytes(Buf* b):
