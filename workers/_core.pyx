@@ -13,7 +13,8 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
 
-from common._pack cimport array_head_size, bin_head_size, put_array_head, put_bin_head, put_uint, uint_size
+from common._pack cimport (UINTS_SLACK, array_head_size, bin_head_size, put_array_head, put_bin_head, put_uint,
+                           put_uints_u32le, uint_size)
 from common._wire cimport Head, K_ARRAY, K_BOOL, K_EXT, K_INT, K_MAP, K_NIL, K_STR, K_UINT, W_OK, get_le, read_head, skip
 
 # The keys a plain tokenize may carry (the common fields and tokenize's own); any other key, or one
@@ -172,56 +173,11 @@ cdef enum:
     COUNT_LEN = 6       # "count"
     ITEM_OVERHEAD = 5   # workers/budget.py: what the reply budget charges per tokens value besides its ids
     NOGIL_IDS = 65536   # ids from which pack_tokens lets the GIL go while it writes (~0.1 ms of work)
-    SLACK = 8           # a list's ids are written 8 bytes at a time: room past the last one
-
-cdef extern from *:  # GCC and Clang: one instruction each
-    unsigned short __builtin_bswap16(unsigned short) noexcept nogil
-    unsigned int __builtin_bswap32(unsigned int) noexcept nogil
-
-cdef unsigned int _ONE = 1
-cdef bint LITTLE = (<unsigned char*>&_ONE)[0] == 1
-
-
-cdef inline unsigned int _id(const unsigned char* flat, Py_ssize_t k) noexcept nogil:
-    """The k-th id of a little-endian u32 buffer."""
-    return <unsigned int>get_le(flat + 4 * k, 4)
-
-
-cdef inline unsigned char* _put_int_list(unsigned char* o, const unsigned char* flat, Py_ssize_t a, Py_ssize_t b) noexcept nogil:
-    """Ids a..b as MessagePack ints, each in its shortest form; SLACK bytes past the end may be
-    written. On a little-endian host each id's bytes are made in a register without branches (the
-    widths of ids follow no pattern a branch predictor learns) and stored 8 at a time."""
-    cdef Py_ssize_t k
-    cdef unsigned long long t, w, n, m, c1, c2, c3
-    if not LITTLE:
-        for k in range(a, b):
-            o = put_uint(o, _id(flat, k))
-        return o
-    cdef unsigned int v
-    for k in range(a, b):
-        memcpy(&v, flat + 4 * k, 4)  # little-endian host: the id as it lies
-        t = v
-        # 0xce + 4 bytes big-endian; 0xcd + 2; 0xcc + 1; or the byte itself: chosen with masks
-        c3 = t < 65536
-        c2 = t < 256
-        c1 = t < 128
-        m = 0 - c3
-        w = (m & (0xcd | (<unsigned long long>__builtin_bswap16(<unsigned short>t) << 8))) | (
-            ~m & (0xce | (<unsigned long long>__builtin_bswap32(<unsigned int>t) << 8)))
-        m = 0 - c2
-        w = (m & (0xcc | (t << 8))) | (~m & w)
-        m = 0 - c1
-        w = (m & t) | (~m & w)
-        n = 5 - 2 * c3 - c2 - c1
-        memcpy(o, &w, 8)
-        o += n
-    return o
-
 
 cdef Py_ssize_t _write(unsigned char* o, const unsigned char* f, const unsigned char* e, Py_ssize_t first, Py_ssize_t n,
                        bint batch, bint u32) noexcept nogil:
     """The `tokens` value of texts first..first+n into o; its size. For a list, o has room for 5 bytes
-    an id, the headers and SLACK; for u32, exactly."""
+    an id, the headers and UINTS_SLACK; for u32, exactly."""
     cdef unsigned char* start = o
     cdef Py_ssize_t i, a, b
     if batch:
@@ -235,7 +191,7 @@ cdef Py_ssize_t _write(unsigned char* o, const unsigned char* f, const unsigned 
             o += 4 * (b - a)
         else:
             o = put_array_head(o, b - a)
-            o = _put_int_list(o, f, a, b)
+            o = put_uints_u32le(o, f, a, b)
     return o - start
 
 
@@ -282,7 +238,7 @@ def pack_tokens(bytes flat not None, bytes ends not None, Py_ssize_t first, Py_s
             o += _write(o, f, e, first, n, batch, True)
         _end(o, count, tail)
         return reply
-    bound = 5 * (count + n + 1) + SLACK  # a list: written to scratch, then copied at its size
+    bound = 5 * (count + n + 1) + UINTS_SLACK  # a list: written to scratch, then copied at its size
     scratch = <unsigned char*>malloc(bound)
     if scratch == NULL:
         raise MemoryError()
