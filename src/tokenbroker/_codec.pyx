@@ -30,8 +30,8 @@ from cpython.float cimport PyFloat_AS_DOUBLE
 from libc.string cimport memcmp, memcpy
 from libc.stdint cimport uint32_t, uint64_t, int64_t
 
-from common._pack cimport (Buf, H_ARRAY, H_BIN, H_MAP, H_STR, array_head_size, buf_byte, buf_bytes, buf_f64, buf_free,
-                           buf_grow, buf_head, buf_int, buf_put, buf_take, buf_uint, put_array_head)
+from common._pack cimport (Buf, array_head_size, buf_array_head, buf_bin_head, buf_byte, buf_bytes, buf_f64, buf_free,
+                           buf_grow, buf_int, buf_map_head, buf_put, buf_str_head, buf_take, buf_uint, put_array_head)
 from common._wire cimport (Head, read_head, skip, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR, K_BIN, K_ARRAY,
                            K_MAP, K_EXT, W_OK)
 
@@ -99,7 +99,7 @@ cdef int _pack(Buf* b, object o, int depth) except -1:
         raise ValueError("nested too deep")
     if t is str:
         p = PyUnicode_AsUTF8AndSize(o, &n)
-        buf_head(b, H_STR, n)
+        buf_str_head(b, n)
         return buf_put(b, p, n)
     if t is int:
         return _int(b, o)
@@ -109,16 +109,16 @@ cdef int _pack(Buf* b, object o, int depth) except -1:
         return buf_byte(b, 0xc0)
     if t is bytes:
         n = PyBytes_GET_SIZE(o)
-        buf_head(b, H_BIN, n)
+        buf_bin_head(b, n)
         return buf_put(b, PyBytes_AS_STRING(o), n)
     if t is dict:
-        buf_head(b, H_MAP, len(<dict>o))
+        buf_map_head(b, len(<dict>o))
         for k, v in (<dict>o).items():
             _pack(b, k, depth + 1)
             _pack(b, v, depth + 1)
         return 0
     if t is list or t is tuple:
-        buf_head(b, H_ARRAY, len(o))
+        buf_array_head(b, len(o))
         for v in o:
             _pack(b, v, depth + 1)
         return 0
@@ -126,7 +126,7 @@ cdef int _pack(Buf* b, object o, int depth) except -1:
         return buf_f64(b, PyFloat_AS_DOUBLE(o))
     if t is bytearray:
         n = len(o)
-        buf_head(b, H_BIN, n)
+        buf_bin_head(b, n)
         return buf_put(b, <const char*>(<bytearray>o), n)
     raise TypeError(f"not a plain value: {t.__name__}")
 
@@ -160,7 +160,7 @@ cdef bytes _request(bytes head, Py_ssize_t nkeys, object rid, long long deadline
     cdef Py_ssize_t n = PyBytes_GET_SIZE(head)
     try:
         buf_grow(&b, n + 32)
-        buf_head(&b, H_MAP, nkeys + 2)
+        buf_map_head(&b, nkeys + 2)
         buf_put(&b, PyBytes_AS_STRING(head), n)
         buf_put(&b, "\xa2id", 3)
         _int(&b, rid)
