@@ -50,16 +50,6 @@ cdef inline unsigned char* put_le(unsigned char* o, unsigned long long n, int wi
 
 # --- scalars -----------------------------------------------------------------------------
 
-cdef inline unsigned char* put_nil(unsigned char* o) noexcept nogil:
-    o[0] = 0xc0
-    return o + 1
-
-
-cdef inline unsigned char* put_bool(unsigned char* o, bint v) noexcept nogil:
-    o[0] = 0xc3 if v else 0xc2
-    return o + 1
-
-
 cdef inline unsigned char* put_uint(unsigned char* o, unsigned long long n) noexcept nogil:
     """n >= 0 in its shortest form: positive fixint, uint 8, 16, 32, 64 (as msgpack packs an int >= 0)."""
     if n < 128:
@@ -241,7 +231,7 @@ cdef inline int buf_grow(Buf* b, Py_ssize_t need) except -1:
 cdef inline unsigned char* buf_room(Buf* b, Py_ssize_t need) except NULL:
     """Where the next bytes go, with room for `need` of them; buf_done says how far they went."""
     if b.size + need > b.cap:
-        buf_grow(b, need)
+        tokenbroker_pack_grow(&b.data, &b.cap, b.size, need)
     return b.data + b.size
 
 
@@ -253,14 +243,18 @@ cdef inline int buf_done(Buf* b, unsigned char* o) noexcept nogil:
 
 cdef inline int buf_put(Buf* b, const char* p, Py_ssize_t n) except -1:
     """n bytes as they are (a str's UTF-8, a bin's bytes, fields packed before)."""
-    memcpy(buf_room(b, n), p, n)
+    if b.size + n > b.cap:
+        tokenbroker_pack_grow(&b.data, &b.cap, b.size, n)
+    memcpy(b.data + b.size, p, n)
     b.size += n
     return 0
 
 
 cdef inline int buf_byte(Buf* b, unsigned char c) except -1:
-    """One byte: nil, a bool, a fixint."""
-    buf_room(b, 1)[0] = c
+    """One byte: nil (0xc0), a bool (0xc2, 0xc3), a fixint."""
+    if b.size + 1 > b.cap:
+        tokenbroker_pack_grow(&b.data, &b.cap, b.size, 1)
+    b.data[b.size] = c
     b.size += 1
     return 0
 
