@@ -34,7 +34,8 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdlib cimport qsort
 from libc.string cimport memcpy, memcmp
 
-from common._wire cimport (Head, read_head, skip, utf8_valid, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR,
+from common._pack cimport put_le
+from common._wire cimport (Head, get_le, read_head, skip, utf8_valid, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR,
                            K_BIN, K_ARRAY, K_MAP, K_EXT, W_OK, W_TRUNCATED, W_INVALID, W_TOO_DEEP, W_TOO_LONG)
 
 from heapq import heapify, heappop, heappush
@@ -178,9 +179,7 @@ cdef void h_update(Hash* h, const uchar* p, Py_ssize_t n) noexcept nogil:
 cdef inline void h_len(Hash* h, u64 n) noexcept nogil:
     """A length as 8 bytes (little endian): what frames each part fed, so parts cannot run together."""
     cdef uchar b[8]
-    cdef int i
-    for i in range(8):
-        b[i] = (n >> (8 * i)) & 0xFF
+    put_le(b, n, 8)
     h_update(h, b, 8)
 
 
@@ -682,9 +681,7 @@ cdef tuple _blocks(Cutter* c):
 cdef bytes _seed(bytes kind, const uchar* model, Py_ssize_t mlen):
     """tb1 NUL kind NUL len(model) model: the hash seed of a key kind and model."""
     cdef uchar n8[8]
-    cdef int i
-    for i in range(8):
-        n8[i] = (<u64>mlen >> (8 * i)) & 0xFF
+    put_le(n8, <u64>mlen, 8)
     return b"tb1\x00" + kind + b"\x00" + PyBytes_FromStringAndSize(<char*>n8, 8) + PyBytes_FromStringAndSize(<const char*>model, mlen)
 
 
@@ -795,7 +792,6 @@ cdef int _message(Hash* h, const uchar* p, Py_ssize_t end, Py_ssize_t a, Py_ssiz
     cdef Entry* entries
     cdef Entry* e
     cdef uchar l8[8]
-    cdef int j
     read_head(p, b, &pos, &mh)
     if mh.kind != K_MAP:
         n = b - a if b - a < budget else budget
@@ -842,16 +838,14 @@ cdef int _message(Hash* h, const uchar* p, Py_ssize_t end, Py_ssize_t a, Py_ssiz
             if left <= 0:
                 break
             e = &entries[i]
-            for j in range(8):
-                l8[j] = (<u64>e.klen >> (8 * j)) & 0xFF
+            put_le(l8, <u64>e.klen, 8)
             take = 8 if left > 8 else left
             h_update(h, l8, take)
             left -= take
             take = e.klen if left > e.klen else left
             h_update(h, e.key, take)
             left -= take
-            for j in range(8):
-                l8[j] = (<u64>(e.b - e.a) >> (8 * j)) & 0xFF
+            put_le(l8, <u64>(e.b - e.a), 8)
             take = 8 if left > 8 else left
             h_update(h, l8, take)
             left -= take
@@ -1007,9 +1001,7 @@ cdef Py_ssize_t _skip_key(const uchar* p, Py_ssize_t end, Py_ssize_t pos, Head* 
 
 cdef void _cut_capped(Cutter* c, const uchar* p, Py_ssize_t a, Py_ssize_t b) noexcept nogil:
     cdef uchar l8[8]
-    cdef int j
-    for j in range(8):
-        l8[j] = (<u64>(b - a) >> (8 * j)) & 0xFF
+    put_le(l8, <u64>(b - a), 8)
     cut_feed(c, l8, 8)
     cut_feed(c, p + a, b - a)
 
@@ -1233,20 +1225,6 @@ cdef class JobTable:
 
 # --- the backend's batches (common/protocol.py: B_JOBS = [J, JOB * n, payloads]; W_RESULTS = [D, RESULT * n, replies]) ---
 
-cdef inline void _le(uchar* out, u64 v, int n) noexcept nogil:
-    cdef int i
-    for i in range(n):
-        out[i] = (v >> (8 * i)) & 0xFF
-
-
-cdef inline u64 _from_le(const uchar* p, int n) noexcept nogil:
-    cdef u64 v = 0
-    cdef int i
-    for i in range(n - 1, -1, -1):
-        v = (v << 8) | p[i]
-    return v
-
-
 def job_batch(list jobs, double now, Py_ssize_t start, Py_ssize_t max_jobs, Py_ssize_t max_bytes) -> tuple:
     """The B_JOBS body for jobs[start:end], at most `max_jobs` jobs and `max_bytes` payload bytes past
     its first: (end, header of JOB records, the payloads). Each job's budget is the time left of its
@@ -1272,9 +1250,9 @@ def job_batch(list jobs, double now, Py_ssize_t start, Py_ssize_t max_jobs, Py_s
         budget = <long long>left if left < 2147483647.0 else 2147483647
         if budget < 1:
             budget = 1
-        _le(h + 16 * i, <u64>job.job_id, 8)
-        _le(h + 16 * i + 8, <u64>budget, 4)
-        _le(h + 16 * i + 12, <u64>len(job.raw), 4)
+        put_le(h + 16 * i, <u64>job.job_id, 8)
+        put_le(h + 16 * i + 8, <u64>budget, 4)
+        put_le(h + 16 * i + 12, <u64>len(job.raw), 4)
     if n == 1:
         return end, bytes(header), (<Job>jobs[start]).raw
     return end, bytes(header), b"".join([(<Job>jobs[i]).raw for i in range(start, end)])
@@ -1294,7 +1272,7 @@ def check_results(list body) -> tuple:
     try:
         n = hb.len // 13
         for i in range(n):
-            total += <Py_ssize_t>_from_le(<const uchar*>hb.buf + 13 * i + 9, 4)
+            total += <Py_ssize_t>get_le(<const uchar*>hb.buf + 13 * i + 9, 4)
     finally:
         PyBuffer_Release(&hb)
     if total != len(blob):
@@ -1364,7 +1342,7 @@ cdef u64 _key_int(bytes key):
     if len(key) < 8:
         from hashlib import sha256
         return <u64>int.from_bytes(sha256(key).digest()[:8], "little")
-    return _from_le(p, 8)
+    return get_le(p, 8)
 
 
 def salt_of(bytes wid) -> int:
@@ -2074,9 +2052,9 @@ cdef class Intake:
             p = <const uchar*>hb.buf
             n = hb.len // 13
             for i in range(n):
-                size = <Py_ssize_t>_from_le(p + 13 * i + 9, 4)
+                size = <Py_ssize_t>get_le(p + 13 * i + 9, 4)
                 code = p[13 * i + 8]
-                found = dispatcher.finish(wid, <long long>_from_le(p + 13 * i, 8), code == 0)
+                found = dispatcher.finish(wid, <long long>get_le(p + 13 * i, 8), code == 0)
                 if found is not None:
                     job = <Job>found
                     jobs.release(job)

@@ -4,7 +4,7 @@
 # time, which matters because setup.py compiles `common/` as `tokenbroker.common`.
 #
 # In a core: `from common._wire cimport Head, read_head, skip, K_STR, W_OK` (setup.py's include_path
-# is the repository root).
+# is the repository root). The writer is common/_pack.pxd.
 
 from libc.string cimport memcpy
 
@@ -42,6 +42,16 @@ cdef inline unsigned long long _be(const unsigned char* p, int n) noexcept nogil
     cdef unsigned long long v = 0
     cdef int i
     for i in range(n):
+        v = (v << 8) | p[i]
+    return v
+
+
+cdef inline unsigned long long get_le(const unsigned char* p, int n) noexcept nogil:
+    """An unsigned int of n bytes little-endian, whatever the host: the backend's batch records, the
+    engine's id and offset buffers (common/_pack.pxd's put_le writes them)."""
+    cdef unsigned long long v = 0
+    cdef int i
+    for i in range(n - 1, -1, -1):
         v = (v << 8) | p[i]
     return v
 

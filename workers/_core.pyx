@@ -13,7 +13,9 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
 
-from common._wire cimport Head, K_ARRAY, K_BOOL, K_EXT, K_INT, K_MAP, K_NIL, K_STR, K_UINT, W_OK, read_head, skip
+from common._pack cimport (UINTS_SLACK, array_head_size, bin_head_size, put_array_head, put_bin_head, put_uint,
+                           put_uints_u32le, uint_size)
+from common._wire cimport Head, K_ARRAY, K_BOOL, K_EXT, K_INT, K_MAP, K_NIL, K_STR, K_UINT, W_OK, get_le, read_head, skip
 
 # The keys a plain tokenize may carry (the common fields and tokenize's own); any other key, or one
 # twice, sends the payload to the general path.
@@ -171,129 +173,25 @@ cdef enum:
     COUNT_LEN = 6       # "count"
     ITEM_OVERHEAD = 5   # workers/budget.py: what the reply budget charges per tokens value besides its ids
     NOGIL_IDS = 65536   # ids from which pack_tokens lets the GIL go while it writes (~0.1 ms of work)
-    SLACK = 8           # a list's ids are written 8 bytes at a time: room past the last one
-
-cdef extern from *:  # GCC and Clang: one instruction each
-    unsigned short __builtin_bswap16(unsigned short) noexcept nogil
-    unsigned int __builtin_bswap32(unsigned int) noexcept nogil
-
-cdef unsigned int _ONE = 1
-cdef bint LITTLE = (<unsigned char*>&_ONE)[0] == 1
-
-
-cdef inline unsigned long long _le(const unsigned char* q, int width) noexcept nogil:
-    """A little-endian unsigned int of `width` bytes, whatever the host."""
-    cdef unsigned long long v = 0
-    cdef int i
-    for i in range(width - 1, -1, -1):
-        v = (v << 8) | q[i]
-    return v
-
-
-cdef inline unsigned int _id(const unsigned char* flat, Py_ssize_t k) noexcept nogil:
-    """The k-th id of a little-endian u32 buffer."""
-    return <unsigned int>_le(flat + 4 * k, 4)
-
-
-cdef inline Py_ssize_t _uint_size(unsigned long long n) noexcept nogil:
-    if n < 128:
-        return 1
-    if n < 256:
-        return 2
-    if n < 65536:
-        return 3
-    if (n >> 32) == 0:
-        return 5
-    return 9
-
-
-cdef inline unsigned char* _put_be(unsigned char* o, unsigned char code, unsigned long long n, int width) noexcept nogil:
-    """A MessagePack header byte, then n in `width` bytes big-endian."""
-    cdef int i
-    o[0] = code
-    for i in range(width):
-        o[width - i] = <unsigned char>(n >> (8 * i))
-    return o + 1 + width
-
-
-cdef inline unsigned char* _put_uint(unsigned char* o, unsigned long long n) noexcept nogil:
-    """n in its shortest MessagePack form (as msgpack packs a Python int >= 0)."""
-    if n < 128:
-        o[0] = <unsigned char>n
-        return o + 1
-    if n < 256:
-        return _put_be(o, 0xcc, n, 1)
-    if n < 65536:
-        return _put_be(o, 0xcd, n, 2)
-    if (n >> 32) == 0:
-        return _put_be(o, 0xce, n, 4)
-    return _put_be(o, 0xcf, n, 8)
-
-
-cdef inline unsigned char* _put_array(unsigned char* o, Py_ssize_t n) noexcept nogil:
-    """An array header in its shortest form (fixarray, array 16, array 32)."""
-    if n < 16:
-        o[0] = 0x90 | <unsigned char>n
-        return o + 1
-    return _put_be(o, 0xdc, n, 2) if n < 65536 else _put_be(o, 0xdd, n, 4)
-
-
-cdef inline unsigned char* _put_bin(unsigned char* o, Py_ssize_t n) noexcept nogil:
-    """A bin header in its shortest form (bin 8, 16, 32)."""
-    if n < 256:
-        return _put_be(o, 0xc4, n, 1)
-    return _put_be(o, 0xc5, n, 2) if n < 65536 else _put_be(o, 0xc6, n, 4)
-
-
-cdef inline unsigned char* _put_int_list(unsigned char* o, const unsigned char* flat, Py_ssize_t a, Py_ssize_t b) noexcept nogil:
-    """Ids a..b as MessagePack ints, each in its shortest form; SLACK bytes past the end may be
-    written. On a little-endian host each id's bytes are made in a register without branches (the
-    widths of ids follow no pattern a branch predictor learns) and stored 8 at a time."""
-    cdef Py_ssize_t k
-    cdef unsigned long long t, w, n, m, c1, c2, c3
-    if not LITTLE:
-        for k in range(a, b):
-            o = _put_uint(o, _id(flat, k))
-        return o
-    cdef unsigned int v
-    for k in range(a, b):
-        memcpy(&v, flat + 4 * k, 4)  # little-endian host: the id as it lies
-        t = v
-        # 0xce + 4 bytes big-endian; 0xcd + 2; 0xcc + 1; or the byte itself: chosen with masks
-        c3 = t < 65536
-        c2 = t < 256
-        c1 = t < 128
-        m = 0 - c3
-        w = (m & (0xcd | (<unsigned long long>__builtin_bswap16(<unsigned short>t) << 8))) | (
-            ~m & (0xce | (<unsigned long long>__builtin_bswap32(<unsigned int>t) << 8)))
-        m = 0 - c2
-        w = (m & (0xcc | (t << 8))) | (~m & w)
-        m = 0 - c1
-        w = (m & t) | (~m & w)
-        n = 5 - 2 * c3 - c2 - c1
-        memcpy(o, &w, 8)
-        o += n
-    return o
-
 
 cdef Py_ssize_t _write(unsigned char* o, const unsigned char* f, const unsigned char* e, Py_ssize_t first, Py_ssize_t n,
                        bint batch, bint u32) noexcept nogil:
     """The `tokens` value of texts first..first+n into o; its size. For a list, o has room for 5 bytes
-    an id, the headers and SLACK; for u32, exactly."""
+    an id, the headers and UINTS_SLACK; for u32, exactly."""
     cdef unsigned char* start = o
     cdef Py_ssize_t i, a, b
     if batch:
-        o = _put_array(o, n)
+        o = put_array_head(o, n)
     for i in range(first, first + n):
-        a, b = <Py_ssize_t>_le(e + 8 * i, 8), <Py_ssize_t>_le(e + 8 * (i + 1), 8)
+        a, b = <Py_ssize_t>get_le(e + 8 * i, 8), <Py_ssize_t>get_le(e + 8 * (i + 1), 8)
         if u32:
-            o = _put_bin(o, 4 * (b - a))
+            o = put_bin_head(o, 4 * (b - a))
             if b > a:
                 memcpy(o, f + 4 * a, 4 * (b - a))
             o += 4 * (b - a)
         else:
-            o = _put_array(o, b - a)
-            o = _put_int_list(o, f, a, b)
+            o = put_array_head(o, b - a)
+            o = put_uints_u32le(o, f, a, b)
     return o - start
 
 
@@ -315,19 +213,19 @@ def pack_tokens(bytes flat not None, bytes ends not None, Py_ssize_t first, Py_s
     if n < 0 or first < 0 or (first + n + 1) * 8 > PyBytes_GET_SIZE(ends) or (not batch and n != 1):
         raise ValueError("pack_tokens: texts out of range")
     for i in range(first, first + n + 1):
-        at = _le(e + 8 * i, 8)
+        at = get_le(e + 8 * i, 8)
         if at > ids or at < prev:
             raise ValueError("pack_tokens: ends out of range")
         prev = at
-    count = <Py_ssize_t>(_le(e + 8 * (first + n), 8) - _le(e + 8 * first, 8))
+    count = <Py_ssize_t>(get_le(e + 8 * (first + n), 8) - get_le(e + 8 * first, 8))
     if (4 if u32 else 5) * count + ITEM_OVERHEAD * n > limit:  # what workers/budget.py charges first
         return None
-    fixed = HEAD_LEN + PyBytes_GET_SIZE(rid) + OK_TOKENS_LEN + COUNT_LEN + _uint_size(count) + PyBytes_GET_SIZE(tail)
+    fixed = HEAD_LEN + PyBytes_GET_SIZE(rid) + OK_TOKENS_LEN + COUNT_LEN + uint_size(count) + PyBytes_GET_SIZE(tail)
     if u32:  # the size is known: written in place
-        size = fixed + (5 if n >= 65536 else 3 if n >= 16 else 1) * batch + 4 * count
+        size = fixed + array_head_size(n) * batch + 4 * count
         for i in range(first, first + n):
-            a = <Py_ssize_t>(_le(e + 8 * (i + 1), 8) - _le(e + 8 * i, 8))
-            size += 5 if 4 * a >= 65536 else 3 if 4 * a >= 256 else 2
+            a = <Py_ssize_t>(get_le(e + 8 * (i + 1), 8) - get_le(e + 8 * i, 8))
+            size += bin_head_size(4 * a)
         if size > limit:
             return None
         reply = PyBytes_FromStringAndSize(NULL, size)
@@ -340,7 +238,7 @@ def pack_tokens(bytes flat not None, bytes ends not None, Py_ssize_t first, Py_s
             o += _write(o, f, e, first, n, batch, True)
         _end(o, count, tail)
         return reply
-    bound = 5 * (count + n + 1) + SLACK  # a list: written to scratch, then copied at its size
+    bound = 5 * (count + n + 1) + UINTS_SLACK  # a list: written to scratch, then copied at its size
     scratch = <unsigned char*>malloc(bound)
     if scratch == NULL:
         raise MemoryError()
@@ -372,5 +270,5 @@ cdef inline unsigned char* _head(unsigned char* o, bytes rid) noexcept:
 
 cdef inline void _end(unsigned char* o, Py_ssize_t count, bytes tail) noexcept:
     memcpy(o, b"\xa5count", COUNT_LEN)
-    o = _put_uint(o + COUNT_LEN, count)
+    o = put_uint(o + COUNT_LEN, count)
     memcpy(o, PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail))

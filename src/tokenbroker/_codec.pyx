@@ -28,10 +28,13 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from cpython.array cimport array, clone
 from cpython.float cimport PyFloat_AS_DOUBLE
-from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.string cimport memcmp, memcpy
 from libc.stdint cimport uint32_t, uint64_t, int64_t
 
+from common._pack cimport (Buf, array_head_size, buf_array_head, buf_bin_head, buf_byte, buf_bytes, buf_f64, buf_free,
+                           buf_grow, buf_int, buf_map_head, buf_put, buf_str_head, buf_take, buf_uint, put_array_head,
+                           put_map_head, put_uint, uint_size)
 from common._wire cimport (Head, read_head, skip, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR, K_BIN, K_ARRAY,
                            K_MAP, K_EXT, W_OK)
 
@@ -77,163 +80,58 @@ KIND_CHAT = 3
 KIND_TOKENS_LIST = 5  # as KIND_TOKENS, ids as a list of int
 KIND_CHAT_LIST = 7
 
-# --- the output buffer -------------------------------------------------------------------------
-
-
-cdef struct Buf:
-    char* data
-    Py_ssize_t size
-    Py_ssize_t cap
-
-
-cdef int _grow(Buf* b, Py_ssize_t need) except -1:
-    cdef Py_ssize_t cap = b.cap * 2 if b.cap else 256
-    cdef char* data
-    while cap < b.size + need:
-        cap *= 2
-    data = <char*>PyMem_Realloc(b.data, cap)
-    if data == NULL:
-        raise MemoryError()
-    b.data, b.cap = data, cap
-    return 0
-
-
-cdef inline int _put(Buf* b, const char* p, Py_ssize_t n) except -1:
-    if b.size + n > b.cap:
-        _grow(b, n)
-    memcpy(b.data + b.size, p, n)
-    b.size += n
-    return 0
-
-
-cdef inline int _put1(Buf* b, unsigned char c) except -1:
-    if b.size + 1 > b.cap:
-        _grow(b, 1)
-    b.data[b.size] = <char>c
-    b.size += 1
-    return 0
-
-
-cdef inline int _put_be(Buf* b, unsigned char tag, uint64_t v, int width) except -1:
-    cdef unsigned char tmp[9]
-    cdef int i
-    tmp[0] = tag
-    for i in range(width):
-        tmp[width - i] = <unsigned char>(v >> (8 * i))
-    return _put(b, <const char*>tmp, width + 1)
+# --- packing (common/_pack.pxd writes the heads) ------------------------------------------
 
 
 cdef int _int(Buf* b, object o) except -1:
-    """msgpack-python's choice of int format: the smallest that holds the value."""
+    """A Python int as msgpack packs it: the smallest format that holds it; OverflowError past 64 bits."""
     cdef int overflow = 0
     cdef int64_t x = PyLong_AsLongLongAndOverflow(o, &overflow)
-    cdef uint64_t u
     if overflow > 0:
-        u = PyLong_AsUnsignedLongLong(o)  # OverflowError past 2**64 - 1, as msgpack
-        return _put_be(b, 0xcf, u, 8)
+        return buf_uint(b, PyLong_AsUnsignedLongLong(o))  # OverflowError past 2**64 - 1, as msgpack
     if overflow < 0:
         raise OverflowError("int too big to convert")
-    if x < -32:
-        if x < -32768:
-            if x < -2147483648:
-                return _put_be(b, 0xd3, <uint64_t>x, 8)
-            return _put_be(b, 0xd2, <uint64_t>x, 4)
-        if x < -128:
-            return _put_be(b, 0xd1, <uint64_t>x, 2)
-        return _put_be(b, 0xd0, <uint64_t>x, 1)
-    if x < 128:
-        return _put1(b, <unsigned char>(x & 0xff))
-    if x < 65536:
-        if x < 256:
-            return _put_be(b, 0xcc, <uint64_t>x, 1)
-        return _put_be(b, 0xcd, <uint64_t>x, 2)
-    if x < 4294967296:
-        return _put_be(b, 0xce, <uint64_t>x, 4)
-    return _put_be(b, 0xcf, <uint64_t>x, 8)
-
-
-cdef inline int _str_head(Buf* b, Py_ssize_t n) except -1:
-    if n < 32:
-        return _put1(b, 0xa0 | <unsigned char>n)
-    if n < 256:
-        return _put_be(b, 0xd9, n, 1)
-    if n < 65536:
-        return _put_be(b, 0xda, n, 2)
-    if n > 0xffffffff:
-        raise ValueError("str is too large")
-    return _put_be(b, 0xdb, n, 4)
-
-
-cdef inline int _bin_head(Buf* b, Py_ssize_t n) except -1:
-    if n < 256:
-        return _put_be(b, 0xc4, n, 1)
-    if n < 65536:
-        return _put_be(b, 0xc5, n, 2)
-    if n > 0xffffffff:
-        raise ValueError("bin is too large")
-    return _put_be(b, 0xc6, n, 4)
-
-
-cdef inline int _container_head(Buf* b, Py_ssize_t n, unsigned char fix, unsigned char tag16) except -1:
-    if n < 16:
-        return _put1(b, fix | <unsigned char>n)
-    if n < 65536:
-        return _put_be(b, tag16, n, 2)
-    if n > 0xffffffff:
-        raise ValueError("container is too large")
-    return _put_be(b, tag16 + 1, n, 4)
+    return buf_int(b, x)
 
 
 cdef int _pack(Buf* b, object o, int depth) except -1:
     cdef type t = type(o)
     cdef Py_ssize_t n
     cdef const char* p
-    cdef double d
-    cdef uint64_t u
     if depth > MAX_DEPTH:
         raise ValueError("nested too deep")
     if t is str:
         p = PyUnicode_AsUTF8AndSize(o, &n)
-        _str_head(b, n)
-        return _put(b, p, n)
+        buf_str_head(b, n)
+        return buf_put(b, p, n)
     if t is int:
         return _int(b, o)
     if t is bool:
-        return _put1(b, 0xc3 if o else 0xc2)
+        return buf_byte(b, 0xc3 if o else 0xc2)
     if o is None:
-        return _put1(b, 0xc0)
+        return buf_byte(b, 0xc0)
     if t is bytes:
         n = PyBytes_GET_SIZE(o)
-        _bin_head(b, n)
-        return _put(b, PyBytes_AS_STRING(o), n)
+        buf_bin_head(b, n)
+        return buf_put(b, PyBytes_AS_STRING(o), n)
     if t is dict:
-        _container_head(b, len(<dict>o), 0x80, 0xde)
+        buf_map_head(b, len(<dict>o))
         for k, v in (<dict>o).items():
             _pack(b, k, depth + 1)
             _pack(b, v, depth + 1)
         return 0
     if t is list or t is tuple:
-        _container_head(b, len(o), 0x90, 0xdc)
+        buf_array_head(b, len(o))
         for v in o:
             _pack(b, v, depth + 1)
         return 0
     if t is float:
-        d = PyFloat_AS_DOUBLE(o)
-        memcpy(&u, &d, 8)
-        return _put_be(b, 0xcb, u, 8)
+        return buf_f64(b, PyFloat_AS_DOUBLE(o))
     if t is bytearray:
         n = len(o)
-        _bin_head(b, n)
-        return _put(b, <const char*>(<bytearray>o), n)
+        buf_bin_head(b, n)
+        return buf_put(b, <const char*>(<bytearray>o), n)
     raise TypeError(f"not a plain value: {t.__name__}")
-
-
-cdef bytes _take(Buf* b):
-    try:
-        return PyBytes_FromStringAndSize(b.data, b.size)
-    finally:
-        PyMem_Free(b.data)
-        b.data = NULL
 
 
 def pack(object value) -> bytes:
@@ -242,9 +140,9 @@ def pack(object value) -> bytes:
     try:
         _pack(&b, value, 0)
     except BaseException:
-        PyMem_Free(b.data)
+        buf_free(&b)
         raise
-    return _take(&b)
+    return buf_take(&b)
 
 
 def pack_entries(dict fields) -> bytes:
@@ -255,26 +153,26 @@ def pack_entries(dict fields) -> bytes:
             _pack(&b, k, 1)
             _pack(&b, v, 1)
     except BaseException:
-        PyMem_Free(b.data)
+        buf_free(&b)
         raise
-    return _take(&b)
+    return buf_take(&b)
 
 
 cdef bytes _request(bytes head, Py_ssize_t nkeys, object rid, long long deadline_ms):
     cdef Buf b = Buf(NULL, 0, 0)
     cdef Py_ssize_t n = PyBytes_GET_SIZE(head)
     try:
-        _grow(&b, n + 32)
-        _container_head(&b, nkeys + 2, 0x80, 0xde)
-        _put(&b, PyBytes_AS_STRING(head), n)
-        _put(&b, "\xa2id", 3)
+        buf_grow(&b, n + 32)
+        buf_map_head(&b, nkeys + 2)
+        buf_put(&b, PyBytes_AS_STRING(head), n)
+        buf_put(&b, "\xa2id", 3)
         _int(&b, rid)
-        _put(&b, "\xabdeadline_ms", 12)
-        _int(&b, deadline_ms)
+        buf_put(&b, "\xabdeadline_ms", 12)
+        buf_int(&b, deadline_ms)
     except BaseException:
-        PyMem_Free(b.data)
+        buf_free(&b)
         raise
-    return _take(&b)
+    return buf_take(&b)
 
 
 def request(bytes head, Py_ssize_t nkeys, object rid, long long deadline_ms) -> bytes:
@@ -289,23 +187,23 @@ def tokenize_head(object text, object add_special_tokens, object model, object a
     cdef Buf b = Buf(NULL, 0, 0)
     cdef Py_ssize_t n = 4
     try:
-        _put(&b, "\xa2op\xa8tokenize\xa4text", 17)
+        buf_put(&b, "\xa2op\xa8tokenize\xa4text", 17)
         _pack(&b, text, 1)
-        _put(&b, "\xb2add_special_tokens", 19)
+        buf_put(&b, "\xb2add_special_tokens", 19)
         _pack(&b, add_special_tokens, 1)
-        _put(&b, "\xadtokens_format\xa3u32", 18)
+        buf_put(&b, "\xadtokens_format\xa3u32", 18)
         if model is not None:
-            _put(&b, "\xa5model", 6)
+            buf_put(&b, "\xa5model", 6)
             _pack(&b, model, 1)
             n += 1
         if affinity is not None:
-            _put(&b, "\xa8affinity", 9)
+            buf_put(&b, "\xa8affinity", 9)
             _pack(&b, affinity, 1)
             n += 1
     except BaseException:
-        PyMem_Free(b.data)
+        buf_free(&b)
         raise
-    return _take(&b), n
+    return buf_take(&b), n
 
 
 def heads(bytes prefix, list values, bytes suffix) -> list:
@@ -316,12 +214,12 @@ def heads(bytes prefix, list values, bytes suffix) -> list:
     try:
         for v in values:
             b.size = 0
-            _put(&b, PyBytes_AS_STRING(prefix), np)
+            buf_put(&b, PyBytes_AS_STRING(prefix), np)
             _pack(&b, v, 1)
-            _put(&b, PyBytes_AS_STRING(suffix), ns)
-            out.append(PyBytes_FromStringAndSize(b.data, b.size))
+            buf_put(&b, PyBytes_AS_STRING(suffix), ns)
+            out.append(buf_bytes(&b))
     finally:
-        PyMem_Free(b.data)
+        buf_free(&b)
     return out
 
 
@@ -494,25 +392,12 @@ def submit_batch(list heads, Py_ssize_t nkeys, int kind, str op, Batch batch, Py
     return rid
 
 
-cdef inline Py_ssize_t _uint_size(uint64_t v):
-    """Bytes `_int` writes for a non-negative int (msgpack-python's smallest format)."""
-    if v < 128:
-        return 1
-    if v < 256:
-        return 2
-    if v < 65536:
-        return 3
-    if v < 4294967296:
-        return 5
-    return 9
-
-
 cdef inline Py_ssize_t _request_size(Call call, long long ms) except -1:
     """Bytes `_request` writes for this call sent with `ms` left: its map head, its fields, its id
     and deadline (ids are this client's counter: positive)."""
     cdef Py_ssize_t n = call.nkeys + 2
     return ((1 if n < 16 else 3 if n < 65536 else 5) + PyBytes_GET_SIZE(call.head)
-            + 3 + _uint_size(PyLong_AsUnsignedLongLong(call.id)) + 12 + _uint_size(<uint64_t>ms))
+            + 3 + uint_size(PyLong_AsUnsignedLongLong(call.id)) + 12 + uint_size(<uint64_t>ms))
 
 
 cdef inline bint _wanted(object c, dict pending):
@@ -565,10 +450,10 @@ cdef bytes _frame(list calls_out, list payloads, Py_ssize_t* sizes, Py_ssize_t f
                   Py_ssize_t count, Py_ssize_t total, double now):
     """Entries first..stop (those with a size) as one frame of the exact size: a lone one as
     itself, several under an array head."""
-    cdef Py_ssize_t at = 0 if count == 1 else (1 if count < 16 else 3 if count < 65536 else 5), i
+    cdef Py_ssize_t at = 0 if count == 1 else array_head_size(count), i
     cdef bytes out
     cdef char* w
-    cdef Buf b
+    cdef unsigned char* o
     cdef Call call
     cdef object p
     if count == 1:
@@ -577,30 +462,24 @@ cdef bytes _frame(list calls_out, list payloads, Py_ssize_t* sizes, Py_ssize_t f
                 return <bytes>payloads[i]
     out = PyBytes_FromStringAndSize(NULL, total + at)
     w = PyBytes_AS_STRING(out)
-    if count == 1:
-        pass
-    elif count < 16:
-        w[0] = <char>(0x90 | count)
-    elif count < 65536:
-        w[0], w[1], w[2] = <char>0xdc, <char>(count >> 8), <char>(count & 0xff)
-    else:
-        w[0], w[1], w[2], w[3], w[4] = <char>0xdd, <char>(count >> 24), <char>((count >> 16) & 0xff), <char>((count >> 8) & 0xff), <char>(count & 0xff)
+    if count > 1:
+        put_array_head(<unsigned char*>w, count)
     for i in range(first, stop):
         if sizes[i] < 0:
             continue
         p = payloads[i]
         if p is not None:
             memcpy(w + at, PyBytes_AS_STRING(p), sizes[i])
-        else:  # the writer, on the frame's own bytes: sized exactly above, so it never grows them
+        else:  # the pointer writer, on the frame's own bytes, sized exactly by _request_size
             call = <Call>calls_out[i]
-            b = Buf(w, at, at + sizes[i])
-            _container_head(&b, call.nkeys + 2, 0x80, 0xde)
-            _put(&b, PyBytes_AS_STRING(call.head), PyBytes_GET_SIZE(call.head))
-            _put(&b, "\xa2id", 3)
-            _int(&b, call.id)
-            _put(&b, "\xabdeadline_ms", 12)
-            _int(&b, _ms(call.deadline - now))
-            if b.size != at + sizes[i] or b.data != w:  # pragma: no cover - _request_size and the writer disagree
+            o = put_map_head(<unsigned char*>w + at, call.nkeys + 2)
+            memcpy(o, PyBytes_AS_STRING(call.head), PyBytes_GET_SIZE(call.head))
+            o += PyBytes_GET_SIZE(call.head)
+            memcpy(o, b"\xa2id", 3)
+            o = put_uint(o + 3, PyLong_AsUnsignedLongLong(call.id))
+            memcpy(o, b"\xabdeadline_ms", 12)
+            o = put_uint(o + 12, <uint64_t>_ms(call.deadline - now))
+            if o != <unsigned char*>w + at + sizes[i]:  # pragma: no cover - _request_size and the writer disagree
                 raise SystemError("a request's size was miscounted")
         at += sizes[i]
     return out
