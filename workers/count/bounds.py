@@ -19,57 +19,45 @@ with a warning that names the limit.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from tokenbroker.common.errors import ProtocolError
+
+
+def _containers(value: Any) -> Iterator[dict | list]:
+    """Every map and list inside `value`, each once, without recursion (a Python caller may share
+    sub-objects; off the wire every node is its own)."""
+    stack = [value]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if (type(node) is not dict and type(node) is not list) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        stack.extend(node.values() if type(node) is dict else node)
 
 
 def body_items(value: Any, limit: int) -> int:
     """The elements of every list inside `value` (messages, parts, images, tools, ...), counted up
     to `limit + 1` at most: the walk stops there, so measuring costs no more than the limit."""
     items = 0
-    stack = [value]
-    seen: set[int] = set()  # a Python caller may share sub-objects; off the wire every node is its own
-    while stack:
-        node = stack.pop()
-        if type(node) is dict:
-            children: Any = node.values()
-        elif type(node) is list:
+    for node in _containers(value):
+        if type(node) is list:
             items += len(node)
             if items > limit:
-                return items
-            children = node
-        else:
-            continue
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        stack.extend(c for c in children if type(c) is dict or type(c) is list)
+                break
     return items
 
 
 def body_chars(value: Any) -> int:
     """The code points of every str value inside `value` (map keys are the format's own names, not
-    text a model reads): what the last rung estimates from. Iterative, each node once."""
-    chars = 0
-    stack = [value]
-    seen: set[int] = set()
-    while stack:
-        node = stack.pop()
-        if type(node) is str:
-            chars += len(node)
-            continue
-        if type(node) is dict:
-            children: Any = node.values()
-        elif type(node) is list:
-            children = node
-        else:
-            continue
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        stack.extend(children)
-    return chars
+    text a model reads): what the last rung estimates from."""
+    if type(value) is str:
+        return len(value)
+    return sum(len(c) for node in _containers(value) for c in (node.values() if type(node) is dict else node)
+               if type(c) is str)
 
 
 def check_body_items(value: Any, limit: int) -> None:
