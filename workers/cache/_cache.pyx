@@ -556,6 +556,12 @@ cdef class Lru:
             e = nxt
         self.head.prev = self.head.next = self.head
         self.map.clear()
+        self.bytes = 0  # every entry's charge went with it
+
+    cdef dict stats(self, int64_t hits, int64_t misses, int64_t reused_bytes):
+        """A store's counters with this LRU's: the series both L0 and L1 export."""
+        return {"hits": hits, "misses": misses, "evictions": self.evictions, "reused_bytes": reused_bytes,
+                "entries": len(self.map), "bytes": self.bytes}
 
 
 # --- L0 -------------------------------------------------------------------------------------------
@@ -651,12 +657,10 @@ cdef class L0Store:
         self.lru.bytes += charge
 
     def stats(self) -> dict:
-        return {"hits": self.hits, "misses": self.misses, "evictions": self.lru.evictions,
-                "reused_bytes": self.reused_bytes, "entries": len(self.lru.map), "bytes": self.lru.bytes}
+        return self.lru.stats(self.hits, self.misses, self.reused_bytes)
 
     def clear(self) -> None:
         self.lru.clear()
-        self.lru.bytes = 0
         self._last_text = None
 
 
@@ -749,12 +753,10 @@ cdef class L1Store:
         self.last_l0 = 0
 
     def stats(self) -> dict:
-        return {"hits": self.hits, "misses": self.misses, "evictions": self.lru.evictions,
-                "reused_bytes": self.reused_bytes, "entries": len(self.lru.map), "bytes": self.lru.bytes}
+        return self.lru.stats(self.hits, self.misses, self.reused_bytes)
 
     def clear(self) -> None:
         self.lru.clear()
-        self.lru.bytes = 0
 
     def __len__(self) -> int:
         return len(self.lru.map)
