@@ -2,10 +2,23 @@
 
 Everything else about the package is in pyproject.toml; this file only lists the extension modules,
 each beside the Python policy it serves. The build needs a C compiler and the Python headers.
+
+Cores cimport each other by their installed names (`from tokenbroker.common._zmq cimport ...`,
+`from tokenbroker.broker._jobs cimport JobTable`). Cython finds a `.pxd` by its dotted name under an
+include path, and a cimported cdef class or function is imported at run time by that same name; the
+package-dir mapping (pyproject.toml: broker/ is installed as tokenbroker.broker) means no source
+directory has that shape. So the build gives Cython one: build/cython/tokenbroker/, whose
+`broker`, `common` and `workers` are links to the source folders, and whose own `.pxd` files are
+links to src/tokenbroker's.
 """
+
+import os
+from pathlib import Path
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+
+ROOT = Path(__file__).resolve().parent
 
 # (module, source): the package-dir mapping of pyproject.toml, applied by hand (Extension needs paths).
 CORES = [
@@ -16,10 +29,31 @@ CORES = [
     ("tokenbroker._codec", "src/tokenbroker/_codec.pyx"),
 ]
 
+# Where each installed package's sources are (pyproject.toml's [tool.setuptools.package-dir]).
+PACKAGE_DIRS = {"broker": ROOT / "broker", "common": ROOT / "common", "workers": ROOT / "workers"}
+
+
+def include_tree() -> str:
+    """build/cython/tokenbroker/: the source folders under their installed names, for cimport."""
+    top = ROOT / "build" / "cython" / "tokenbroker"
+    top.mkdir(parents=True, exist_ok=True)
+    (top / "__init__.pxd").touch()
+    links = dict(PACKAGE_DIRS)
+    links.update({pxd.name: pxd for pxd in (ROOT / "src" / "tokenbroker").glob("*.pxd")})
+    for name, target in links.items():
+        link = top / name
+        if link.is_symlink() and os.readlink(link) == str(target):
+            continue
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target, target_is_directory=target.is_dir())
+    return str(top.parent)
+
+
 setup(
     ext_modules=cythonize(
         [Extension(name, [source], extra_compile_args=["-O2"]) for name, source in CORES],
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False},
-        include_path=["."],
+        include_path=[include_tree()],
     ),
 )

@@ -34,8 +34,8 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdlib cimport qsort
 from libc.string cimport memcpy, memcmp
 
-from common._pack cimport put_le
-from common._wire cimport (Head, get_le, read_head, skip, utf8_valid, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR,
+from tokenbroker.common._pack cimport put_le
+from tokenbroker.common._wire cimport (Head, get_le, read_head, skip, utf8_valid, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR,
                            K_BIN, K_ARRAY, K_MAP, K_EXT, W_OK, W_TRUNCATED, W_INVALID, W_TOO_DEEP, W_TOO_LONG)
 
 from heapq import heapify, heappop, heappush

@@ -16,13 +16,13 @@
 # - `Buf` and `buf_*`: a growing buffer (PyMem) for values whose size is not known up front (the
 #   client's requests); a head refuses a length of 2**32 or more with ValueError, as msgpack does.
 #
-# In a core: `from common._pack cimport put_uint, put_array_head, Buf, buf_str_head, buf_take, ...`.
+# In a core: `from tokenbroker.common._pack cimport put_uint, put_array_head, Buf, buf_str_head, buf_take, ...`.
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free
 from libc.string cimport memcpy
 
-from common._wire cimport get_le
+from tokenbroker.common._wire cimport get_le
 
 cdef enum:
     HEAD_MAX = 9  # the most bytes one header or scalar takes (0xcf/0xd3/0xcb and 8 bytes)

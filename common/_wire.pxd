@@ -1,10 +1,10 @@
 # The MessagePack wire reader, cimported by the broker's and the workers' cores: one header reader
 # and one bounded skipper, so both sides read hostile bytes the same way. The functions are inline in
 # this file (a C header, in effect): a core that cimports them needs no import of this module at run
-# time, which matters because setup.py compiles `common/` as `tokenbroker.common`.
+# time.
 #
-# In a core: `from common._wire cimport Head, read_head, skip, K_STR, W_OK` (setup.py's include_path
-# is the repository root). The writer is common/_pack.pxd.
+# In a core: `from tokenbroker.common._wire cimport Head, read_head, skip, K_STR, W_OK` (setup.py's
+# include tree maps the installed names to the sources). The writer is common/_pack.pxd.
 
 from libc.string cimport memcpy
 

@@ -13,7 +13,7 @@ The C API (`_wire.pxd`, inline: a header) is what the cores cimport, as this mod
 target and Python callers that need a bounded skip.
 """
 
-from common._wire cimport (WIRE_MAX_DEPTH, W_TRUNCATED, W_INVALID, W_TOO_DEEP, W_TOO_LONG,
+from tokenbroker.common._wire cimport (WIRE_MAX_DEPTH, W_TRUNCATED, W_INVALID, W_TOO_DEEP, W_TOO_LONG,
                            skip)
 
 MAX_DEPTH = WIRE_MAX_DEPTH  # no caller may ask for a deeper bound than this

@@ -13,9 +13,9 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
 
-from common._pack cimport (UINTS_SLACK, array_head_size, bin_head_size, put_array_head, put_bin_head, put_uint,
+from tokenbroker.common._pack cimport (UINTS_SLACK, array_head_size, bin_head_size, put_array_head, put_bin_head, put_uint,
                            put_uints_u32le, uint_size)
-from common._wire cimport Head, K_ARRAY, K_BOOL, K_EXT, K_INT, K_MAP, K_NIL, K_STR, K_UINT, W_OK, get_le, read_head, skip
+from tokenbroker.common._wire cimport Head, K_ARRAY, K_BOOL, K_EXT, K_INT, K_MAP, K_NIL, K_STR, K_UINT, W_OK, get_le, read_head, skip
 
 # The keys a plain tokenize may carry (the common fields and tokenize's own); any other key, or one
 # twice, sends the payload to the general path.

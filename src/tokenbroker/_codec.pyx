@@ -32,10 +32,10 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.string cimport memcmp, memcpy
 from libc.stdint cimport uint32_t, uint64_t, int64_t
 
-from common._pack cimport (Buf, array_head_size, buf_array_head, buf_bin_head, buf_byte, buf_bytes, buf_f64, buf_free,
+from tokenbroker.common._pack cimport (Buf, array_head_size, buf_array_head, buf_bin_head, buf_byte, buf_bytes, buf_f64, buf_free,
                            buf_grow, buf_int, buf_map_head, buf_put, buf_str_head, buf_take, buf_uint, put_array_head,
                            put_map_head, put_uint, uint_size)
-from common._wire cimport (Head, read_head, skip, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR, K_BIN, K_ARRAY,
+from tokenbroker.common._wire cimport (Head, read_head, skip, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR, K_BIN, K_ARRAY,
                            K_MAP, K_EXT, W_OK)
 
 import sys
