@@ -77,6 +77,7 @@ from .config import WorkerConfig
 from .loader import Loader, ModelInstaller
 from .ops import Ops, PendingJob
 from .registry import ModelRegistry
+from .zygote import Zygote
 
 log = logging.getLogger(__name__)
 
@@ -390,9 +391,7 @@ def serve(config: WorkerConfig) -> int:
         print(f"tokenbroker worker: cannot load tokenizers: {e}", file=sys.stderr, flush=True)
         return EXIT_BOOT_ERROR
     if config.zygote_fd is not None:
-        from .zygote import Zygote
-
-        return Zygote(config, registry).run()
+        return Zygote(config, registry, run).run()
     return run(config, registry)
 
 
