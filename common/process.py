@@ -18,6 +18,10 @@ EXIT_BOOT_ERROR = 3
 # (--max-memory; workers/main.py): not a crash, replaced at once by a fresh one.
 EXIT_RECYCLED = 4
 
+# Worker process exit code when it gave up getting through to its broker (--give-up-after;
+# workers/join.py): a remote worker's way to tell its own supervisor (systemd, Kubernetes).
+EXIT_UNREACHABLE = 5
+
 # One worker uses one core: the tokenizers library's thread pool must not fan out. Read when
 # tokenizers is first imported, so set before that: by the supervisor in a local worker's
 # environment, and by the worker itself (use_one_thread) when started some other way.
