@@ -320,6 +320,8 @@ def parse_request(data: bytes) -> Request:
     for k in payload:
         if type(k) is not str:
             raise ProtocolError("bad_request", "payload map keys must be str")
+    if len(payload) != map_length(data):  # the decoder kept one value per key: a key came twice (1.4)
+        raise repeated_key(first_repeated_key(data))
     rid = payload.get("id")
     if isinstance(rid, (list, dict)):
         raise ProtocolError("bad_request", f"field 'id' must be nil, bool, int, float, str or bin, got {type_name(rid)}")
@@ -327,6 +329,50 @@ def parse_request(data: bytes) -> Request:
     return Request(raw_id=_echo_id(data, rid), op=common.op, model=common.model,
                    deadline_ms=common.deadline_ms, affinity=common.affinity, tokens_format=common.tokens_format,
                    payload=payload)
+
+
+def map_length(data: bytes) -> int:
+    """The entry count in the header of the MessagePack map `data` starts with (-1 for no map
+    header): what a decoded dict holds fewer entries than when a key came twice.
+
+    >>> map_length(pack({"op": "ping", "id": 1})), map_length(b"\\xde\\x01\\x00"), map_length(b"\\x90")
+    (2, 256, -1)
+    """
+    head = data[0] if data else 0
+    if 0x80 <= head <= 0x8F:
+        return head & 0x0F
+    if head in (0xDE, 0xDF):
+        return int.from_bytes(data[1:3 if head == 0xDE else 5], "big")
+    return -1
+
+
+def first_repeated_key(data: bytes) -> str:
+    """The first key the map `data` holds a second time, read key by key (values skipped in C);
+    only called once a decode has shown a repeat (`map_length`)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1))
+    unpacker.feed(data)
+    seen: set[str] = set()
+    for _ in range(unpacker.read_map_header()):
+        key = unpacker.unpack()
+        if key in seen:
+            return key
+        seen.add(key)
+        unpacker.skip()
+    raise ValueError("the map holds no key twice")
+
+
+MAX_KEY_SHOWN = 64  # a repeated key named in a bad_request is cut to this many characters (it is client data)
+
+
+def repeated_key(key: str) -> ProtocolError:
+    """The bad_request of a request map that holds `key` twice (1.4, "Bounds on a request"), named
+    the same wherever it is found.
+
+    >>> repeated_key("text").message
+    "the request map holds the key 'text' more than once"
+    """
+    shown = key if len(key) <= MAX_KEY_SHOWN else key[:MAX_KEY_SHOWN] + f"...({len(key)} characters)"
+    return ProtocolError("bad_request", f"the request map holds the key {shown!r} more than once")
 
 
 _ID_PACKER = msgpack.Packer(use_bin_type=True)  # packb makes a Packer per call (~1 us); pack() holds the GIL throughout

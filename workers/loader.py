@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 from tokenbroker.common.config import CacheConfig, ModelSpec
 from tokenbroker.common.errors import BootError
-from tokenbroker.common.process import drain_pipe
+from tokenbroker.common.process import drain_pipe, release_memory
 from tokenbroker.common.protocol import LoadSpec, Loaded
 
 from .engine import FastEngine, speed_up
@@ -386,14 +386,3 @@ def serve_fast(registry: ModelRegistry, tok: Tokenizer, engine: FastEngine) -> N
     models = (*registry.models, *registry.dormant.values())
     for cache in {id(m.cache): m.cache for m in models if m.tokenizer is tok}.values():
         cache.fast_engine_serves()
-
-
-def release_memory() -> None:
-    """Give the heap a model left behind back to the system (glibc keeps freed arenas otherwise: a
-    DeepSeek tokenizer let go left ~50 MiB resident until trimmed). Elsewhere, a no-op."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

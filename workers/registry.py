@@ -22,6 +22,7 @@ from typing import Any, cast
 
 from tokenbroker.common.config import DEFAULT_ALIAS, EMBEDDED_DEFAULT, EMBEDDED_DEFAULT_NAME, CacheConfig, Limits, ModelConfig, ModelSpec
 from tokenbroker.common.errors import BootError, ProtocolError
+from tokenbroker.common.process import release_memory
 from tokenbroker.common.protocol import MAX_SPECIAL_TOKENS, ModelInfo
 
 from .cache import TokenCache
@@ -238,8 +239,6 @@ class ModelRegistry:
         log.info("model %s: served with the tokenizer of model %s (same fingerprint)", model.name, twin.name)
         spec = model.spec
         del model
-        from .loader import release_memory  # loader.py imports this module
-
         release_memory()
         return twin.sharing(spec)
 
