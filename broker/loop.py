@@ -230,13 +230,13 @@ class Broker:
                 return
             budget -= take(*got, now)
 
-    def _on_request(self, envelope: Envelope, peer: Peer | None, peek: Peek | ProtocolError | None, now: float) -> None:
-        """A request the intake leaves to Python: None (answered by the frontend already), an
-        unreadable element of an array, ping, a catalog op, a refusal, a model it has not seen
-        resolved (then it will have), a failed one."""
-        if peek is None or isinstance(peek, ProtocolError):
+    def _on_request(self, envelope: Envelope, peer: Peer | None, peek: Peek | None, now: float) -> None:
+        """A request the intake leaves to Python: None (answered by the frontend already), a
+        refused element of an array (its `code` set), ping, a catalog op, a refusal, a model it
+        has not seen resolved (then it will have), a failed one."""
+        if peek is None or peek.code is not None:
             if peek is not None:
-                self.frontend.fail(envelope, NIL, peek)
+                self.frontend.refuse(envelope, peek)
             self.metrics.request_done("invalid", "bad_request", 0.0)
             return
         if peek.op == "ping":
