@@ -21,7 +21,7 @@ after one walk in C that finds its id (a 29 MB map of 3 million unknown keys cos
 worker's decode would cost seconds); str keys and
 the str values the broker reads are checked as strict UTF-8, as msgpack would decode them.
 
-The route key (see broker/affinity.py for the design): prefix-block hashes at fixed byte offsets
+The route key (docs/routing.md, "Route keys", holds the design): prefix-block hashes at fixed byte offsets
 and a rendezvous key, computed with a 128-bit streaming hash of our own (two multiply-xorshift
 lanes, SplitMix64 finalizers): routing needs spread and prefix sharing, not a cryptographic
 digest, and SHA-256 through hashlib cost a Python call per block.
@@ -1247,7 +1247,7 @@ cdef class JobTable:
     """Every request held, from receipt to reply: the jobs by id, their payload bytes, how many each
     client connection holds (`--max-pending-bytes`, `--max-client-pending`) and the deadline heap.
     No socket, no clock. The loop admits a job with `admit` and releases it when it is answered or
-    dropped; where the job is (queued, at a worker) is the dispatcher's (broker/dispatch.py)."""
+    dropped; where the job is (queued, at a worker) is the dispatcher's (docs/routing.md)."""
 
     cdef public dict jobs
     cdef public long long held_bytes
@@ -1391,11 +1391,11 @@ def check_results(list body) -> tuple:
     return header, blob
 
 
-# --- the router's policy for one pick (broker/router.py holds its design) ------------------
+# --- the router's policy for one pick (docs/routing.md, "The router", holds its design) ---
 
 cdef class Slots:
-    """What one worker holds: its load, as the router reads it (router.WorkerLoad). The dispatcher
-    (broker/dispatch.py) owns it; compiled so the router reads the counts as C fields."""
+    """What one worker holds: its load, as the router reads it. The dispatcher owns it; compiled
+    so the router reads the counts as C fields."""
 
     cdef public int capacity
     cdef public dict jobs
@@ -1418,30 +1418,24 @@ cdef class Slots:
         return len(self.jobs)
 
 
-cdef inline Py_ssize_t _load_held(object load):
-    if type(load) is Slots:
-        return len((<Slots>load).jobs)
-    return load.held
+cdef inline Py_ssize_t _load_held(Slots load):
+    return len(load.jobs)
 
 
-cdef inline bint _load_free(object load):
+cdef inline bint _load_free(Slots load):
     """Room for one more job: under capacity and not blocked."""
-    cdef Slots s
-    if type(load) is Slots:
-        s = <Slots>load
-        return len(s.jobs) < s.capacity and not s.blocked
-    return load.held < load.capacity and not load.blocked
+    return len(load.jobs) < load.capacity and not load.blocked
 
 
 cdef class RouterWorker:
     """One incarnation of a worker: a re-added id gets a new record, so old index entries stay dead."""
 
     cdef public bytes wid
-    cdef public object load
+    cdef public Slots load
     cdef public u64 salt       # this id's rendezvous salt, hashed once
     cdef public bint alive
 
-    def __init__(self, bytes wid, load, u64 salt, bint alive=True):
+    def __init__(self, bytes wid, Slots load, u64 salt, bint alive=True):
         self.wid = wid
         self.load = load
         self.salt = salt
@@ -1468,7 +1462,7 @@ def mix(u64 x) -> int:
 
 
 cdef class Router:
-    """Prefix affinity with rendezvous fallback, under a bounded-load rule (broker/router.py)."""
+    """Prefix affinity with rendezvous fallback, under a bounded-load rule (docs/routing.md)."""
 
     cdef public double balance_factor
     cdef public int balance_margin
@@ -1493,7 +1487,7 @@ cdef class Router:
 
     # --- worker events
 
-    def add_worker(self, bytes wid, load) -> None:
+    def add_worker(self, bytes wid, Slots load) -> None:
         """A worker is ready; `load` is where its owner counts what it holds. A known id takes the new load."""
         if load.capacity < 1:
             raise ValueError(f"worker capacity must be >= 1, got {load.capacity}")
@@ -1512,7 +1506,7 @@ cdef class Router:
     # --- the policy
 
     def pick(self, key, *, bint overflow=True, allowed=None):
-        """A worker with a free slot for this request; None when all are full (broker/router.py)."""
+        """A worker with a free slot for this request; None when all are full (docs/routing.md)."""
         cdef list free = []
         cdef RouterWorker w, chosen = None
         cdef Py_ssize_t best = -1, h
@@ -1561,7 +1555,7 @@ cdef class Router:
         return a if a > b else b
 
     def stats(self) -> dict:
-        """Counters since start and gauges, for metrics (broker/router.py)."""
+        """Counters since start and gauges, for metrics (broker/metrics.py)."""
         return {"picks": self.n_picks, "affinity_hits": self.n_hits, "rendezvous": self.n_rendezvous,
                 "spills": self.n_spills, "overflows": self.n_overflows, "unkeyed": self.n_unkeyed, "full": self.n_full,
                 "workers": len(self._workers), "in_flight": self._held_sum(), "index_entries": len(self._index)}
@@ -1643,7 +1637,7 @@ cdef class Router:
         return best
 
 
-# --- the dispatcher (broker/dispatch.py holds its design) ----------------------------------
+# --- the dispatcher (docs/routing.md, "The dispatcher", holds its design) -------------------
 
 def _unplaced(model, *, catalog):
     """With no placement (a dispatcher on its own): a catalog model has no holders, any other goes anywhere."""
@@ -1651,7 +1645,7 @@ def _unplaced(model, *, catalog):
 
 
 cdef class Dispatcher:
-    """Which queued job goes to which worker, and when (broker/dispatch.py)."""
+    """Which queued job goes to which worker, and when (docs/routing.md)."""
 
     cdef public Router router
     cdef public bint long_off_loop

@@ -25,16 +25,13 @@ from tokenbroker import __version__
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import ADMIN_OPS, NIL, W_BYE, Envelope, ok_reply, req, unpack
 
-from .affinity import route_key
 from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
 from .catalog import FAILED, LOADING, WORKER, Catalog, Entry, add_model_spec, served_backends
 from .config import BrokerConfig
-from .dispatch import Dispatcher, Job
-from .jobs import Intake, JobTable
+from ._core import Dispatcher, Intake, Job, JobTable, Router
 from .frontend import Frontend, Peek, Peer
 from .metrics import LATENCY_BUCKETS, PoolMetrics
 from .placement import Load, Placement
-from .router import Router
 from .snapshot import ModelView, PoolSnapshot, WorkerView
 from .supervisor import Supervisor
 
