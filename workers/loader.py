@@ -256,6 +256,8 @@ class ModelInstaller:
         """Have the loader build and probe `model`'s fast engine (unless --tokenizer-backend reference),
         not before `after` seconds from now."""
         tok = model.tokenizer
+        if any(t.tokenizer is tok for t in self.engines.values()):
+            return  # another model over this tokenizer has its build on the way: one engine per tokenizer
         if self.registry.backend_mode != "reference" and tok.fast is None and tok not in self.registry.engine_refused:
             ticket = EngineTicket(tok, model.name, self.registry.backend_mode, time.monotonic() + after)
             self.engines[model.name] = ticket
@@ -348,9 +350,11 @@ class ModelInstaller:
             del self.loading[name]
             model = outcome.model
             if model is not None:
-                twin = self.registry.twin(model.fingerprint)
-                if twin is not None:  # the same tokenizer is here already: serve this name with it, drop the copy
-                    model = twin.sharing(model.spec)
+                loaded_tokenizer = model.tokenizer
+                model = self.registry.engine_for(model)
+                shared = model.tokenizer is not loaded_tokenizer
+                del loaded_tokenizer
+                if shared:  # the same tokenizer is here already: serve this name with its engine, drop the copy
                     outcome = replace(outcome, model=model, info=model.info().to_wire())
                     release_memory()
                 try:
@@ -358,7 +362,7 @@ class ModelInstaller:
                 except ValueError as e:  # cannot happen while `load` checks names; said, never raised
                     out.append(Loaded(name, False, error=str(e)[:MAX_ERROR_CHARS], seconds=outcome.seconds))
                     continue
-                if twin is None:  # under a cap, a model taking its turn in a slot may never need it
+                if not shared:  # under a cap, a model taking its turn in a slot may never need it
                     self._speed_up(model, after=ENGINE_AFTER_S if self.max_models > 0 else 0.0)
             out.append(outcome.loaded())
         return out
