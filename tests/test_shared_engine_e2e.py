@@ -12,8 +12,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import CHAT_TEMPLATES, LSTRIP_DIR, serving
+from helpers import CHAT_TEMPLATES, LSTRIP_DIR, free_port, scrape, series, serving, wait_until
 
+from tokenbroker.workers import engine
 from tokenbroker.workers.tokenizers import load_tokenizer
 
 TEXT = "one text, sent through both models <|user|> hello <|end|>"
@@ -50,3 +51,31 @@ def test_two_models_over_one_tokenizer_json_share_one_engine_and_its_caches(tmp_
         listed = {m["name"]: m for m in models["models"]}
         assert {"a", "b"} <= set(listed), models
         assert listed["a"]["fingerprint"] != listed["b"]["fingerprint"]  # the templates differ
+
+
+def test_fast_engines_past_the_limit_encode_on_threads_of_their_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose threads hold one fast engine each (a limit kept on disk, as a measured one is)
+    serves two distinct tokenizers and a third model sharing the first: one engine on its serving
+    thread, one on a thread of its own, both exact; the metrics say so."""
+    monkeypatch.setenv(engine.ENGINE_CACHE_ENV, str(tmp_path / "verdicts"))
+    engine.write_verdict("limit", {"limit": 1})
+    byte_level = tmp_path / "bytes"
+    byte_level.mkdir()
+    (byte_level / "tokenizer.json").write_text(engine._probe_json())
+    sources = {"a": str(LSTRIP_DIR), "b": str(LSTRIP_DIR / "tokenizer.json"), "bytes": str(byte_level)}
+    flags = [f for name, source in sources.items() for f in ("--model", f"{name}={source}")]
+    with serving(*flags, "--tokenizer-backend", "auto", "--metrics-port", str(free_port())) as (broker, c):
+        for model, source in sources.items():
+            want = [load_tokenizer(source).encode(t) for t in TEXTS]
+            assert c.call("tokenize", model=model, text=TEXTS)["tokens"] == want, model
+            assert [c.call("tokenize", model=model, text=t)["tokens"] for t in TEXTS] == want, model
+        assert {m["name"]: m["backend"] for m in c.call("models")["models"]} == dict.fromkeys(sources, "fastokens")
+
+        def gauges() -> dict | None:
+            samples = scrape(broker.metrics)
+            got = {name: next(iter(series(samples, f"tokenbroker_worker_{name}").values()), None)
+                   for name in ("engine_limit", "fast_engines", "engine_threads")}
+            return got if got["engine_limit"] else None
+
+        assert wait_until(gauges, what="the engine gauges") == {"engine_limit": 1, "fast_engines": 2, "engine_threads": 1}
+        assert broker.logged("more encode on thread tokenbroker-engines-1")

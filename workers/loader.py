@@ -75,6 +75,7 @@ class EngineTicket:
     name: str
     mode: str
     not_before: float = 0.0
+    fingerprint: str = ""  # the tokenizer's: the probes' verdict is kept on disk under it
     cancelled: bool = False
 
     def cancel(self) -> None:
@@ -215,7 +216,7 @@ class Loader:
                 if ticket.cancelled or tok is None:
                     continue
                 start = time.monotonic()
-                engine, reason = speed_up(tok, ticket.mode, name=ticket.name)
+                engine, reason = speed_up(tok, ticket.mode, name=ticket.name, fingerprint=ticket.fingerprint)
                 outcome = EngineOutcome(ticket, tok, engine, reason, time.monotonic() - start)
                 del tok, engine
             elif ticket.cancelled:
@@ -251,6 +252,7 @@ class ModelInstaller:
         self.engines: dict[str, EngineTicket] = {}  # name -> its fast engine's build, deferred or under way
         for model in registry.models:  # loaded at start with their reference library
             self._speed_up(model)
+        registry.place_engines()  # built before the fork: placed and warmed before READY
 
     def _speed_up(self, model: Model, *, after: float = 0.0) -> None:
         """Have the loader build and probe `model`'s fast engine (unless --tokenizer-backend reference),
@@ -259,7 +261,8 @@ class ModelInstaller:
         if any(t.tokenizer is tok for t in self.engines.values()):
             return  # another model over this tokenizer has its build on the way: one engine per tokenizer
         if self.registry.backend_mode != "reference" and tok.fast is None and tok not in self.registry.engine_refused:
-            ticket = EngineTicket(tok, model.name, self.registry.backend_mode, time.monotonic() + after)
+            ticket = EngineTicket(tok, model.name, self.registry.backend_mode, time.monotonic() + after,
+                                  fingerprint=model.tokenizer_fingerprint)
             self.engines[model.name] = ticket
             self.loader.submit(ticket)
 
@@ -291,6 +294,7 @@ class ModelInstaller:
         woken = self.registry.wake(spec)
         if woken is not None:
             self._speed_up(woken)
+            self.registry.place_engines()
             log.info("model %s: served from the template's copy (no load)", name)
             return [Loaded(name, True, fingerprint=woken.fingerprint, info=woken.info().to_wire(), seconds=0.0)]
         ticket = Ticket(spec)
@@ -329,6 +333,7 @@ class ModelInstaller:
             engine = self.engines.pop(name, None)
             if engine is not None and not self.registry.holds(engine.tokenizer):
                 engine.cancel()  # not built yet (or its result is skipped): the model is gone
+            self.registry.place_engines()  # its engine's place is free
             if name in self.registry.dormant:
                 log.info("model %s: unloaded (dormant again: the template's copy stays shared)", name)
                 return
@@ -379,6 +384,7 @@ class ModelInstaller:
         if not self.registry.holds(tok):
             return
         serve_fast(self.registry, tok, outcome.engine)
+        self.registry.place_engines()  # warmed on the thread that will encode with it, before a job does
         log.info("model %s: now served by %s (engine ready %.2fs after its load)", outcome.ticket.name,
                  tok.backend, outcome.seconds)
 

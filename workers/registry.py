@@ -29,6 +29,7 @@ from .chat import ChatRenderer, ChatTemplates, discover_chat_templates, special_
 from .count.encodings import local_encoding, where_to_put
 from .stream import StreamDecoder
 from .tokenizer_map import TokenizerMap
+from .engine import EnginePlan, engine_limit
 from .tokenin import reference
 from .tokenizers import Tokenizer, load_tokenizer, wrap_encoding
 
@@ -226,6 +227,7 @@ class ModelRegistry:
         self._map = TokenizerMap(config.tokenizer_map)
         self._extras: dict[str, Model | None] = {}
         self._extras_lock = threading.Lock()
+        self._plan: EnginePlan | None = None  # made in the serving process, at its first place_engines
 
     def preload(self) -> int:
         """The template, before it forks (workers/zygote.py): load, dormant, every configured model
@@ -291,6 +293,25 @@ class ModelRegistry:
     def backend_mode(self) -> str:
         """--tokenizer-backend: auto, fast or reference (workers/engine.py)."""
         return self._config.backend
+
+    def place_engines(self) -> None:
+        """Main thread (the serving thread), whenever the fast engines served change (a switch, a wake,
+        an unload, the start before READY): each new engine goes where it will encode, at most
+        engine_limit() on the serving thread and the rest on threads of their own (workers/engine.py
+        EnginePlan), and is warmed there. Never in the template (no thread survives a fork)."""
+        if self.backend_mode == "reference":
+            return
+        engines = {id(m.tokenizer.fast): m.tokenizer.fast for m in self.models if m.tokenizer.fast is not None}
+        if self._plan is None:
+            if not engines:
+                return
+            self._plan = EnginePlan(engine_limit())
+        self._plan.place(engines.values())
+
+    def engines(self) -> dict[str, int]:
+        """What heartbeats carry of the fast engines: the per-thread limit, the engines served, and
+        the threads of their own serving those beyond it (all 0 before the first fast engine)."""
+        return self._plan.report() if self._plan is not None else {"limit": 0, "fast": 0, "threads": 0}
 
     def backends(self) -> dict[str, str]:
         """Model name -> the library that encodes it now; heartbeats carry it, as the switch to the
