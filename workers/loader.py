@@ -285,7 +285,7 @@ class ModelInstaller:
         if leaving:
             return [Loaded(name, False, error="this worker is leaving (SIGTERM): load it elsewhere", retry=True)]
         held = self.registry.tokenizers() + len(self.loading)
-        if self.max_models > 0 and held >= self.max_models:
+        if self.max_models > 0 and held >= self.max_models and not self._over_held(spec):
             return [Loaded(name, False, retry=True, error=f"this worker holds {held} models (loaded and loading), "
                            f"its most (--max-models-per-worker {self.max_models}): unload one first")]
         taken = self._taken((name, *spec.aliases))
@@ -302,6 +302,12 @@ class ModelInstaller:
         self.loader.submit(ticket)
         log.info("model %s: loading %s in the background", name, spec.source)
         return []
+
+    def _over_held(self, spec: ModelSpec) -> bool:
+        """`spec` reads the tokenizer files of a loaded model (another template or name over them): it
+        will share that model's engine (registry.engine_for), so it takes no slot of the cap."""
+        return any(m.spec.source == spec.source and m.spec.tokenizer_path == spec.tokenizer_path
+                   for m in self.registry.models)
 
     def _share(self, spec: ModelSpec, shared: Model) -> list[Loaded]:
         """Serve `spec`'s names with a loaded model's tokenizer, caches and templates (the broker

@@ -138,6 +138,7 @@ def build_ready(config: WorkerConfig, name: str, incarnation: str, registry: Mod
         names=[n for m in registry.models for n in m.names],
         maps=[glob for glob, _ in config.models.tokenizer_map],
         infos={m.name: m.info().to_wire() for m in registry.models},
+        engine_limit=registry.engine_limit,
     )
 
 

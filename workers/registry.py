@@ -127,7 +127,7 @@ class Model:
         return ModelInfo(kind=t.kind[:64], vocab_size=t.vocab_size, special_tokens=specials,
                          chat_template=self.templates is not None, cached=self.cache.enabled,
                          source=t.description[:1024], backend=t.backend, chat_renderer=self.chat_renderer()[:256],
-                         **bounded)
+                         tokenizer=self.tokenizer_fingerprint, **bounded)
 
     def describe(self) -> dict:
         t = self.tokenizer
@@ -307,6 +307,12 @@ class ModelRegistry:
                 return
             self._plan = EnginePlan(engine_limit())
         self._plan.place(engines.values())
+
+    @property
+    def engine_limit(self) -> int:
+        """What READY tells placement: the fast engines one serving thread holds (0 under
+        --tokenizer-backend reference, where there is none)."""
+        return 0 if self.backend_mode == "reference" else engine_limit()
 
     def engines(self) -> dict[str, int]:
         """What heartbeats carry of the fast engines: the per-thread limit, the engines served, and
