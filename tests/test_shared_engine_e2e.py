@@ -79,3 +79,15 @@ def test_fast_engines_past_the_limit_encode_on_threads_of_their_own(tmp_path: Pa
 
         assert wait_until(gauges, what="the engine gauges") == {"engine_limit": 1, "fast_engines": 2, "engine_threads": 1}
         assert broker.logged("more encode on thread tokenbroker-engines-1")
+
+
+def test_the_fast_engine_is_warmed_on_the_serving_thread_before_ready() -> None:
+    """fastokens builds a thread's state for an engine at that thread's first encode with it (9-54 ms):
+    the worker does it before its READY, so no request pays it."""
+    with serving("--model", f"a={LSTRIP_DIR}", "--tokenizer-backend", "auto") as (broker, c):
+        assert c.call("tokenize", model="a", text=TEXT)["ok"] is True
+        lines = list(broker.log)
+        warmed = next(i for i, line in enumerate(lines) if "fast engines: 1 placed and warmed" in line)
+        joined = next(i for i, line in enumerate(lines) if "joined (pid" in line)
+        assert warmed < joined, lines
+        assert "1 on the serving thread" in lines[warmed]

@@ -708,6 +708,7 @@ class EnginePlan:
         """Place and warm every engine of `engines` (those served now) not placed yet; forget the
         ones no longer served, so their places free up."""
         live = {id(e): e for e in engines}
+        start, placed = time.perf_counter(), 0
         for key in [k for k in self._placed if k not in live]:
             gone = self._placed.pop(key)
             if gone.home is not None:
@@ -729,6 +730,12 @@ class EnginePlan:
                 engine.home = home
             self._placed[key] = engine
             warm(engine)
+            placed += 1
+        if placed:
+            serving = sum(1 for e in self._placed.values() if e.home is None)
+            log.info("fast engines: %d placed and warmed in %.1f ms (%d on the serving thread, %d on %d threads of "
+                     "their own; limit %d a thread)", placed, (time.perf_counter() - start) * 1e3, serving,
+                     len(self._placed) - serving, self.report()["threads"], self.limit)
 
     def report(self) -> dict[str, int]:
         """What heartbeats carry: the limit, the fast engines served, the threads of their own."""
