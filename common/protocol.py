@@ -440,6 +440,7 @@ class Ready:
     names: list[str] = field(default_factory=list)  # every model name and alias it answers to (routing)
     maps: list[str] = field(default_factory=list)  # its --tokenizer-map globs (only `*`, anchored)
     infos: dict[str, dict] = field(default_factory=dict)  # model name -> ModelInfo.to_wire() of each loaded model
+    engine_limit: int = 0  # distinct fast engines one serving thread holds (measured; 0: no fast engine)
 
     def to_wire(self) -> bytes:
         return pack(self.__dict__)
@@ -473,6 +474,8 @@ class Ready:
             names=_names(d, "names"),
             maps=_names(d, "maps"),
             infos=_infos(d.get("infos")),
+            engine_limit=field("engine_limit", int, lambda v: 0 <= v <= 4096, " in 0..4096")
+            if d.get("engine_limit") is not None else 0,
         )
 
 
@@ -537,6 +540,7 @@ class ModelInfo:
     added_tokens: int = 0
     backend: str = ""  # the library that encodes it when this was sent: fastokens, tokenizers, tiktoken
     chat_renderer: str = ""  # the engine that renders its chat template: minijinja, jinja2 ("" without one)
+    tokenizer: str = ""  # its tokenizer's fingerprint: models that share it share one engine (placement counts these)
 
     def to_wire(self) -> dict:
         return dict(self.__dict__)
@@ -572,7 +576,8 @@ class ModelInfo:
                    eos_token=_checked_str(d, "eos_token", "model info", optional=True),
                    model_max_length=max_length, added_tokens=added,
                    backend=_checked_str(d, "backend", "model info", optional=True, limit=64) or "",
-                   chat_renderer=_checked_str(d, "chat_renderer", "model info", optional=True, limit=256) or "")
+                   chat_renderer=_checked_str(d, "chat_renderer", "model info", optional=True, limit=256) or "",
+                   tokenizer=_checked_str(d, "tokenizer", "model info", optional=True, limit=128) or "")
 
 
 @dataclass(frozen=True)
