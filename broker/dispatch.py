@@ -20,8 +20,10 @@ jobs, or at `worker_bytes` payload bytes once it holds one job: a huge request b
 its own worker only, and small ones go elsewhere meanwhile. A `tokenize` longer than `worker_bytes`
 is the exception when caches are off (`long_off_loop`): a worker encodes it off its round loop
 (workers/background.py; with caches on it encodes inline, its prefixes cached); so is a `count`
-that long, in every cache mode (workers/count_lane.py). Such a job does not count against the
-worker's bytes; instead a worker holds one such job at a time, and the small jobs keep flowing to it.
+over LANE_COUNT_BYTES, in every cache mode (workers/count_lane.py). Such a job does not count against
+the worker's bytes; instead a worker holds one such job at a time, and the small jobs keep flowing to
+it (counted in bytes, four 300 KB provider bodies filled a worker, and a queue of them held the
+small jobs behind it for up to a second).
 
 A job that names a model goes only to the workers that serve it, as broker/placement.py's
 `Placement.eligible` says (the one owner of that answer): a catalog model's holders (none yet: it
