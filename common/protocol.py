@@ -52,6 +52,10 @@ OUTCOMES: tuple[str, ...] = ("ok", "skipped", *ERROR_CODES)
 OUTCOME_INDEX = {name: i for i, name in enumerate(OUTCOMES)}
 SKIPPED = "skipped"  # the worker did not run the job: its budget had passed (the broker answers timeout)
 
+# A `count` payload longer than this is counted on a worker's encode lane (workers/count_lane.py), and
+# the broker lets a worker hold one such job at a time, outside its --worker-max-bytes (broker/dispatch.py).
+LANE_COUNT_BYTES = 16 * 1024
+
 MAX_BATCH_JOBS = 64  # jobs in one backend message, at most
 MAX_CAPACITY = 4096  # the most jobs a worker may ask to hold; a READY beyond it is refused
 MAX_NAME_CHARS = 128  # a worker's name, as shown in replies and metric labels
