@@ -521,7 +521,12 @@ cdef object _value(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos, int 
         m = {}
         for i in range(h.length):
             k = _value(p, end, pos, depth + 1)
-            m[k] = _value(p, end, pos, depth + 1)
+            try:
+                m[k] = _value(p, end, pos, depth + 1)
+            except TypeError:  # a key Python cannot hash (a list): no reply has one
+                raise ValueError(f"malformed MessagePack: an unhashable map key at byte {pos[0]}") from None
+        if len(m) != h.length:  # msgpack keeps the last; a reply never repeats a key (contract 1.4 refuses it)
+            raise ValueError("malformed MessagePack: a map with a repeated key")
         return m
     if h.kind == K_ARRAY:
         items = []
@@ -544,7 +549,9 @@ cdef object _value(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos, int 
 
 
 def unpack(bytes data) -> object:
-    """One MessagePack value filling `data`, as msgpack.unpackb(raw=False, strict_map_key=False)."""
+    """One MessagePack value filling `data`, as msgpack.unpackb(raw=False, strict_map_key=False);
+    ValueError where msgpack would keep the last of a map's repeated keys (no reply repeats one) or
+    cannot hash a key."""
     cdef Py_ssize_t pos = 0
     cdef Py_ssize_t end = PyBytes_GET_SIZE(data)
     cdef object out = _value(<const unsigned char*>PyBytes_AS_STRING(data), end, &pos, 0)
@@ -674,6 +681,19 @@ cdef object _ids(const unsigned char* p, Py_ssize_t at, Py_ssize_t n, bint as_li
     return a.tolist() if as_list else a
 
 
+cdef inline unsigned int _field_bit(const unsigned char* k, Py_ssize_t n):
+    """A bit per field `_typed` reads (0 for any other key: those send the map to the generic reader)."""
+    if n == 2:
+        return 1 if k[0] == b"i" else 2 if k[0] == b"o" else 0
+    if n == 6:
+        return 4 if k[0] == b"w" else 8 if k[0] == b"t" else 16 if k[0] == b"p" else 0
+    if n == 5:
+        return 32 if k[1] == b"o" else 64 if k[1] == b"a" else 0
+    if n == 4:
+        return 128
+    return 0
+
+
 cdef object _typed(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos, Py_ssize_t pairs, int kind):
     """A reply map of the usual shape for `kind`, read straight into its result; None (pos[0] left
     where it was) when it is anything else, for the caller to read as a map."""
@@ -683,6 +703,7 @@ cdef object _typed(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos, Py_s
     cdef object l0, l1
     cdef bint ok = False, as_list = kind >= 4
     cdef int base = kind & 3
+    cdef unsigned int seen = 0, bit  # the fields read so far: one twice makes the map the generic reader's to refuse
     for i in range(pairs):
         if read_head(p, end, pos, &h) != W_OK or h.kind != K_STR:
             pos[0] = start
@@ -692,6 +713,11 @@ cdef object _typed(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos, Py_s
         if read_head(p, end, pos, &c) != W_OK:
             pos[0] = start
             return None
+        bit = _field_bit(p + at, h.length)
+        if seen & bit:
+            pos[0] = start
+            return None
+        seen |= bit
         if _key(p, at, h.length, "id", 2):
             if c.kind == K_STR or c.kind == K_BIN:
                 pos[0] += c.length
@@ -792,6 +818,8 @@ cdef object _reply_id(const unsigned char* p, Py_ssize_t end, Py_ssize_t pos, Py
             if read_head(p, end, &pos, &v) != W_OK:
                 return None
             if _key(p, at, h.length, "id", 2):
+                if rid is not None:
+                    return _NEED_FULL  # `id` twice: the generic reader refuses the map
                 if v.kind == K_UINT:
                     rid = PyLong_FromUnsignedLongLong(v.uval)
                 elif v.kind == K_INT:
@@ -819,17 +847,31 @@ def settle(bytes payload, dict calls, list odd) -> int:
     """Read a reply frame (a map, or an array of maps) and settle every call it answers with its
     result; how many it settled. Appended to `odd`, for the engine's policy: `(id, reply)` for a
     reply whose id is not pending (a probe's, a late one) and for an `overloaded` one, and
-    `(None, element)` for an element that is not a map. ValueError when the frame does not parse
-    (checked whole first: nothing of a malformed frame is settled)."""
+    `(None, element)` for an element that is not a map.
+
+    The whole frame is read before anything is settled: ValueError when any of it does not parse
+    (bad bytes, bad UTF-8, a key Python cannot hash, a map with a repeated key, a bad timestamp),
+    and then nothing of it is settled and nothing is appended to `odd`."""
+    cdef list values, found
+    try:
+        values, found = _read_frame(payload, calls)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise ValueError(f"malformed reply frame: {e}") from None
+    return _settle_read(values, found, calls, odd)
+
+
+cdef tuple _read_frame(bytes payload, dict calls):
+    """Every element of a reply frame read (a result, or the map or value msgpack gives) with the
+    pending call its id names (None if none): nothing settled, so a frame that raises here costs
+    no call its reply."""
     cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(payload)
     cdef Py_ssize_t end = PyBytes_GET_SIZE(payload)
     cdef Py_ssize_t pos = 0, n, i, start
     cdef Head h
-    cdef object rid, value, found
-    cdef Call call
-    cdef int settled = 0
+    cdef object rid, value, call
+    cdef list values = [], found = []
     if skip(p, end, 0, MAX_DEPTH) != end:
-        raise ValueError("malformed reply frame")
+        raise ValueError("not one MessagePack value")
     read_head(p, end, &pos, &h)
     if h.kind == K_ARRAY:
         n = h.length
@@ -841,32 +883,48 @@ def settle(bytes payload, dict calls, list odd) -> int:
         read_head(p, end, &pos, &h)
         if h.kind != K_MAP:
             pos = start
-            odd.append((None, _value(p, end, &pos, 1)))
+            values.append(_value(p, end, &pos, 1))
+            found.append(None)
             continue
         rid = _reply_id(p, end, pos, h.length)
-        found = None
+        call = None
         if rid is not None and rid is not _NEED_FULL:
-            found = calls.get(rid)
+            call = calls.get(rid)
         value = None
-        if found is not None and (<Call>found).kind != 0:
-            value = _typed(p, end, &pos, h.length, (<Call>found).kind)
+        if call is not None and (<Call>call).kind != 0:
+            value = _typed(p, end, &pos, h.length, (<Call>call).kind)
         if value is None:
             pos = start
             value = _value(p, end, &pos, 1)
-            if found is None:
+            if call is None:
                 rid = (<dict>value).get("id")
-                try:
-                    found = calls.get(rid)
-                except TypeError:
-                    found = None
-        if found is None:
-            odd.append((rid, value))
+                if type(rid) is int:  # only an int names a call (not True, nor 1.0)
+                    call = calls.get(rid)
+        values.append(value)
+        found.append(call)
+    return values, found
+
+
+cdef int _settle_read(list values, list found, dict calls, list odd) except -1:
+    """Settle the calls a read frame answers (`_read_frame`), in order; what needs policy goes to `odd`."""
+    cdef Py_ssize_t i
+    cdef object value, f
+    cdef Call call
+    cdef int settled = 0
+    for i in range(len(values)):
+        value = values[i]
+        f = found[i]
+        if type(value) is not dict and f is None:
+            odd.append((None, value))
             continue
-        call = <Call>found
+        if f is None or (<Call>f).id not in calls:  # not pending, or answered earlier in this frame
+            odd.append(((<dict>value).get("id") if type(value) is dict else (<Call>f).id, value))
+            continue
+        call = <Call>f
         if type(value) is dict and (<dict>value).get("ok") is not True:
             err = (<dict>value).get("error")
             if type(err) is dict and (<dict>err).get("code") == "overloaded":
-                odd.append((rid, value))
+                odd.append((call.id, value))
                 continue
         del calls[call.id]
         link = call.link
