@@ -1,4 +1,4 @@
-"""The client's compiled codec (src/tokenbroker/_codec.pyx) against msgpack, the contract's
+"""The client's compiled codec (src/tokenbroker/_codec.py and the cores it names) against msgpack, the contract's
 reference codec: the same request bytes for every shape the client sends, the same values for
 every reply shape, results read straight from reply bytes equal to the ones built from msgpack's
 map, and hostile frames refused without a crash."""
