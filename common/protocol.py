@@ -52,6 +52,10 @@ OUTCOMES: tuple[str, ...] = ("ok", "skipped", *ERROR_CODES)
 OUTCOME_INDEX = {name: i for i, name in enumerate(OUTCOMES)}
 SKIPPED = "skipped"  # the worker did not run the job: its budget had passed (the broker answers timeout)
 
+# A `count` payload longer than this is counted on a worker's encode lane (workers/count_lane.py), and
+# the broker lets a worker hold one such job at a time, outside its --worker-max-bytes (broker/dispatch.py).
+LANE_COUNT_BYTES = 16 * 1024
+
 MAX_BATCH_JOBS = 64  # jobs in one backend message, at most
 MAX_CAPACITY = 4096  # the most jobs a worker may ask to hold; a READY beyond it is refused
 MAX_NAME_CHARS = 128  # a worker's name, as shown in replies and metric labels
@@ -440,6 +444,7 @@ class Ready:
     names: list[str] = field(default_factory=list)  # every model name and alias it answers to (routing)
     maps: list[str] = field(default_factory=list)  # its --tokenizer-map globs (only `*`, anchored)
     infos: dict[str, dict] = field(default_factory=dict)  # model name -> ModelInfo.to_wire() of each loaded model
+    engine_limit: int = 0  # distinct fast engines one serving thread holds (measured; 0: no fast engine)
 
     def to_wire(self) -> bytes:
         return pack(self.__dict__)
@@ -473,6 +478,8 @@ class Ready:
             names=_names(d, "names"),
             maps=_names(d, "maps"),
             infos=_infos(d.get("infos")),
+            engine_limit=field("engine_limit", int, lambda v: 0 <= v <= 4096, " in 0..4096")
+            if d.get("engine_limit") is not None else 0,
         )
 
 
@@ -537,6 +544,7 @@ class ModelInfo:
     added_tokens: int = 0
     backend: str = ""  # the library that encodes it when this was sent: fastokens, tokenizers, tiktoken
     chat_renderer: str = ""  # the engine that renders its chat template: minijinja, jinja2 ("" without one)
+    tokenizer: str = ""  # its tokenizer's fingerprint: models that share it share one engine (placement counts these)
 
     def to_wire(self) -> dict:
         return dict(self.__dict__)
@@ -572,7 +580,8 @@ class ModelInfo:
                    eos_token=_checked_str(d, "eos_token", "model info", optional=True),
                    model_max_length=max_length, added_tokens=added,
                    backend=_checked_str(d, "backend", "model info", optional=True, limit=64) or "",
-                   chat_renderer=_checked_str(d, "chat_renderer", "model info", optional=True, limit=256) or "")
+                   chat_renderer=_checked_str(d, "chat_renderer", "model info", optional=True, limit=256) or "",
+                   tokenizer=_checked_str(d, "tokenizer", "model info", optional=True, limit=128) or "")
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,7 @@ def build_ready(config: WorkerConfig, name: str, incarnation: str, registry: Mod
         names=[n for m in registry.models for n in m.names],
         maps=[glob for glob, _ in config.models.tokenizer_map],
         infos={m.name: m.info().to_wire() for m in registry.models},
+        engine_limit=registry.engine_limit,
     )
 
 
@@ -162,6 +163,7 @@ class Worker:
         self.served = 0
         self.stats: dict = registry.cache_stats()
         self.backends: dict[str, str] = registry.backends()  # model -> engine, as the switch to fastokens comes later
+        self.engines: dict[str, int] = registry.engines()  # fast engines: limit, served, threads (workers/engine.py)
         self.next_beat = 0.0
         self.pss: int | None = None  # proportional set size as last read (PSS_EVERY_S)
         self.private: int | None = None  # private memory as last read, with PSS: what --max-memory bounds
@@ -219,6 +221,7 @@ class Worker:
             "served": self.served,
             "caches": self.stats,
             "backends": self.backends,
+            "engines": self.engines,  # the fast engines' per-thread limit, how many, threads of their own
             "lanes": {lane.name: lane.report() for lane in self.lanes},  # "wedged": threads given up on, still in a call
         }
         return [W_HEARTBEAT, pack(body)]
@@ -276,6 +279,7 @@ class Worker:
                         self.leaving.set()
                     self.stats = self.registry.cache_stats()
                     self.backends = self.registry.backends()
+                    self.engines = self.registry.engines()
                     self._send(self._heartbeat())
                     self.next_beat = now + HEARTBEAT_INTERVAL_S
                     if self._past_ceiling():
