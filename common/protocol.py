@@ -365,18 +365,19 @@ def first_repeated_key(data: bytes) -> str:
     raise ValueError("the map holds no key twice")
 
 
-MAX_KEY_SHOWN = 64  # a repeated key named in a bad_request is cut to this many characters (it is client data)
+MAX_KEY_SHOWN = 200  # bytes of a repeated key named in its bad_request (client data), as broker/_core.pyx `_twice` cuts it
 
 
 def repeated_key(key: str) -> ProtocolError:
-    """The bad_request of a request map that holds `key` twice (1.4, "Bounds on a request"), named
-    the same wherever it is found.
+    """The bad_request of a request map that holds `key` twice (1.4, "Bounds on a request"), in the
+    words of the broker's core (broker/_core.pyx `_twice`), so a client reads the same answer from
+    whichever side found it.
 
     >>> repeated_key("text").message
-    "the request map holds the key 'text' more than once"
+    "payload map holds the key 'text' twice; a request names each field once"
     """
-    shown = key if len(key) <= MAX_KEY_SHOWN else key[:MAX_KEY_SHOWN] + f"...({len(key)} characters)"
-    return ProtocolError("bad_request", f"the request map holds the key {shown!r} more than once")
+    shown = key.encode()[:MAX_KEY_SHOWN].decode("utf-8", "replace")
+    return ProtocolError("bad_request", f"payload map holds the key {shown!r} twice; a request names each field once")
 
 
 _ID_PACKER = msgpack.Packer(use_bin_type=True)  # packb makes a Packer per call (~1 us); pack() holds the GIL throughout
