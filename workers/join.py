@@ -51,10 +51,10 @@ class BrokerUnreachable(Exception):
     """--give-up-after passed without getting through; the message says to where and why."""
 
 
-def why(event: int, value: int, handshaken: bool) -> str | None:
+def why(event: int, value: int, handshaken: bool, curve: bool) -> str | None:
     """What a monitor event says about getting through, for the log (None: an event not watched).
 
-    >>> why(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400, False)
+    >>> why(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400, False, True)
     "the broker refused this worker's CURVE key (ZAP status 400): its public .key is not in the broker's --curve-workers folder"
     """
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -66,14 +66,16 @@ def why(event: int, value: int, handshaken: bool) -> str | None:
         if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
             return "the handshake failed on its cryptography: a --curve-server-key that is not the broker's?"
         return f"the handshake failed (ZeroMQ protocol error {value:#x})"
+    # the peer hung up mid-handshake: under CURVE most likely a server key it cannot answer
+    suspect = "a --curve-server-key that is not the broker's?" if curve else "is a tokenbroker backend listening there?"
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return "the handshake failed with no detail from ZeroMQ: a --curve-server-key that is not the broker's?"
+        return f"the handshake failed with no detail from ZeroMQ: {suspect}"
     if event == zmq.EVENT_CONNECT_RETRIED:
         return "the connection was refused or failed: no broker listening there yet, or the network is down"
     if event == zmq.EVENT_DISCONNECTED:
         if handshaken:
             return "the broker closed the connection"
-        return "the broker closed the connection during the handshake: a --curve-server-key that is not the broker's?"
+        return f"the peer closed the connection during the handshake: {suspect}"
     if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
         return "connected, but the broker has not answered READY (its log says why: a model fingerprint it does not expect?)"
     if event == zmq.EVENT_CONNECTED:
@@ -88,7 +90,7 @@ class Attempt:
         self.sock: zmq.Socket = ctx.socket(zmq.DEALER)  # ZeroMQ picks the identity: one per connection
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.SNDTIMEO, SNDTIMEO_MS)
-        apply_client_curve(self.sock, *curve)  # common/curve.py
+        self.curve = apply_client_curve(self.sock, *curve) is not None  # common/curve.py
         self.monitor: zmq.Socket = self.sock.get_monitor_socket(_WATCHED)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
@@ -128,7 +130,7 @@ class Attempt:
             kind, value = int(event["event"]), int(event["value"])
             if kind == zmq.EVENT_CONNECTED:
                 self.handshaken = False
-            reason = why(kind, value, self.handshaken)
+            reason = why(kind, value, self.handshaken, self.curve)
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshaken, self.refused = True, False
             if reason is None:
