@@ -35,15 +35,17 @@ from libc.stdlib cimport qsort
 from libc.string cimport memcpy, memcmp
 
 from tokenbroker.common._pack cimport put_le
-from tokenbroker.common._wire cimport (Head, get_le, read_head, skip, skip_any, utf8_valid, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR,
-                           K_BIN, K_ARRAY, K_MAP, K_EXT, W_OK, W_TRUNCATED, W_INVALID, W_TOO_DEEP, W_TOO_LONG)
+from tokenbroker.common._wire cimport (Head, get_le, read_head, skip, skip_any, utf8_valid, utf8_fault, id_fault,
+                           K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR, K_BIN, K_ARRAY, K_MAP, K_EXT, W_OK,
+                           W_TRUNCATED, W_INVALID, W_TOO_DEEP, W_TOO_LONG, JOB_ID_AT, JOB_BUDGET_AT, JOB_SIZE_AT,
+                           JOB_BYTES, RESULT_ID_AT, RESULT_OUTCOME_AT, RESULT_SIZE_AT, RESULT_BYTES)
 
 from heapq import heapify, heappop, heappush
 
 from zmq import ZMQError
 
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import OUTCOMES as _OUTCOMES, SKIPPED as _SKIPPED
+from tokenbroker.common.protocol import KEYED_OPS, MODEL_OPS, OPS, OUTCOMES as _OUTCOMES, SKIPPED as _SKIPPED
 
 assert _OUTCOMES[1] == _SKIPPED  # Intake.results reads outcome 1 as skipped
 
@@ -255,18 +257,16 @@ cdef int _field_of(const uchar* k, Py_ssize_t n) noexcept nogil:
     return -1
 
 
-# The ops (common/protocol.py OPS), as the interned str each request's `op` is.
-cdef str OP_TOKENIZE = "tokenize"
-cdef str OP_DETOKENIZE = "detokenize"
-cdef str OP_CHAT = "chat"
-cdef str OP_COUNT = "count"
-cdef str OP_MODELS = "models"
-cdef str OP_PING = "ping"
-cdef str OP_STREAM = "detokenize_stream"
-cdef str OP_ADD = "add_model"
-cdef str OP_REMOVE = "remove_model"
-cdef tuple _OP_NAMES = (OP_TOKENIZE, OP_DETOKENIZE, OP_CHAT, OP_COUNT, OP_MODELS, OP_PING, OP_STREAM, OP_ADD, OP_REMOVE)
+# The ops, as the interned str each request's `op` is: their names are common/protocol.py OPS
+# (the one list); those the core treats apart are named here, and must be among them.
+from sys import intern as _intern
+cdef tuple _OP_NAMES = tuple(sorted([_intern(op) for op in OPS]))
 cdef tuple _OP_BYTES = tuple([op.encode() for op in _OP_NAMES])
+cdef str OP_TOKENIZE = _intern("tokenize")
+cdef str OP_CHAT = _intern("chat")
+cdef str OP_COUNT = _intern("count")
+assert {OP_TOKENIZE, OP_CHAT, OP_COUNT} <= OPS
+cdef frozenset _MODEL_OPS = MODEL_OPS  # `model` names a served model (count's, only when it gives one)
 
 
 cdef str _op_of(const uchar* k, Py_ssize_t n):
@@ -345,16 +345,6 @@ cdef str _broken(const uchar* p, Py_ssize_t start, Py_ssize_t end, Py_ssize_t rc
     """Why a frame that is not one bounded MessagePack value is refused (bad_request)."""
     cdef str starting = f", starting 0x{p[start]:02x}" if start < end else ", empty"
     return f"payload is not valid MessagePack ({end - start} bytes{starting}): {_fault_name(rc)}"
-
-
-cdef str _not_utf8(const uchar* s, Py_ssize_t n):
-    """Why a str msgpack would refuse to decode is refused, in Python's own words."""
-    try:
-        PyUnicode_DecodeUTF8(<const char*>s, n, NULL)
-        reason = "invalid UTF-8"
-    except UnicodeDecodeError as e:
-        reason = e.reason
-    return f"payload holds a str that is not valid UTF-8: {reason}"
 
 
 cdef class Peek:
@@ -508,7 +498,7 @@ cdef Py_ssize_t _walk(const uchar* p, Py_ssize_t start, Py_ssize_t end, Peek out
                     else:
                         seen |= 1u << f
                 elif not utf8_valid(k, kh.length):
-                    _refuse(out, "bad_request", _not_utf8(k, kh.length))
+                    _refuse(out, "bad_request", utf8_fault(k, kh.length))
                 elif h.length <= FIELDS:
                     keys[nkeys].hash = _key_hash(k, kh.length)
                     keys[nkeys].at = k
@@ -522,7 +512,7 @@ cdef Py_ssize_t _walk(const uchar* p, Py_ssize_t start, Py_ssize_t end, Peek out
                 out.message = _broken(p, start, end, vend)
                 return vend
             if f == F_ID:
-                fault = _id_fault(p, pos, vend)
+                fault = id_fault(p + pos, vend - pos)
                 if fault is not None:
                     _refuse(out, "bad_request", fault)
                     id_bad = True
@@ -534,7 +524,7 @@ cdef Py_ssize_t _walk(const uchar* p, Py_ssize_t start, Py_ssize_t end, Peek out
                     n = pos
                     read_head(p, end, &n, &vh)
                     if vh.kind == K_STR and not utf8_valid(p + n, vh.length):
-                        _refuse(out, "bad_request", _not_utf8(p + n, vh.length))
+                        _refuse(out, "bad_request", utf8_fault(p + n, vh.length))
                 out.s[f] = pos
                 out.e[f] = vend
             pos = vend
@@ -550,27 +540,6 @@ cdef Py_ssize_t _walk(const uchar* p, Py_ssize_t start, Py_ssize_t end, Peek out
     if out.code is None:
         _common(p, end, out)
     return pos
-
-
-cdef str _id_fault(const uchar* p, Py_ssize_t a, Py_ssize_t b):
-    """Why an id may not be echoed (the request is answered bad_request, id nil), or None."""
-    cdef uchar c = p[a]
-    cdef Head h
-    cdef Py_ssize_t pos = a
-    cdef str kind
-    if _is_array(c):
-        kind = "list"
-    elif _is_map(c):
-        kind = "map"
-    elif (0xC7 <= c <= 0xC9) or (0xD4 <= c <= 0xD8):
-        kind = "ext"
-    else:
-        if (0xA0 <= c <= 0xBF) or (0xD9 <= c <= 0xDB):
-            read_head(p, b, &pos, &h)
-            if not utf8_valid(p + pos, h.length):
-                return _not_utf8(p + pos, h.length)
-        return None
-    return f"field 'id' must be nil, bool, int, float, str or bin, got {kind}"
 
 
 cdef int _common(const uchar* p, Py_ssize_t end, Peek out) except -1:
@@ -592,7 +561,7 @@ cdef int _common(const uchar* p, Py_ssize_t end, Peek out) except -1:
     op = _op_of(p + pos, h.length)
     if op is None:
         name = PyUnicode_DecodeUTF8(<const char*>(p + pos), h.length, NULL)
-        return _refuse(out, "unknown_op", f"field 'op' is {name!r}; expected one of {', '.join(sorted(_OP_NAMES))}")
+        return _refuse(out, "unknown_op", f"field 'op' is {name!r}; expected one of {', '.join(_OP_NAMES)}")
     out.op = op
     # deadline_ms
     out.deadline_ms = None
@@ -1122,7 +1091,7 @@ cdef void _cut_capped(Cutter* c, const uchar* p, Py_ssize_t a, Py_ssize_t b) noe
     cut_feed(c, p + a, b - a)
 
 
-cdef frozenset KEYLESS = frozenset({"detokenize", "detokenize_stream", "models", "ping", "add_model", "remove_model"})
+cdef frozenset KEYLESS = OPS - KEYED_OPS  # no input to hash: any worker serves them equally well
 KEYLESS_OPS = KEYLESS
 
 
@@ -1353,7 +1322,7 @@ def job_batch(list jobs, double now, Py_ssize_t start, Py_ssize_t max_jobs, Py_s
         size += length
         end += 1
     n = end - start
-    header = bytearray(16 * n)
+    header = bytearray(JOB_BYTES * n)
     h = <uchar*>(<char*>header)
     for i in range(n):
         job = <Job>jobs[start + i]
@@ -1361,9 +1330,9 @@ def job_batch(list jobs, double now, Py_ssize_t start, Py_ssize_t max_jobs, Py_s
         budget = <long long>left if left < 2147483647.0 else 2147483647
         if budget < 1:
             budget = 1
-        put_le(h + 16 * i, <u64>job.job_id, 8)
-        put_le(h + 16 * i + 8, <u64>budget, 4)
-        put_le(h + 16 * i + 12, <u64>len(job.raw), 4)
+        put_le(h + JOB_BYTES * i + JOB_ID_AT, <u64>job.job_id, 8)
+        put_le(h + JOB_BYTES * i + JOB_BUDGET_AT, <u64>budget, 4)
+        put_le(h + JOB_BYTES * i + JOB_SIZE_AT, <u64>len(job.raw), 4)
     if n == 1:
         return end, bytes(header), (<Job>jobs[start]).raw
     return end, bytes(header), b"".join([(<Job>jobs[i]).raw for i in range(start, end)])
@@ -1377,13 +1346,14 @@ def check_results(list body) -> tuple:
     if len(body) != 2:
         raise ValueError(f"a result batch must be a header and one payload frame, got {len(body)} frames")
     header, blob = body
-    if not header or len(header) % 13:
-        raise ValueError(f"a result batch header of {len(header)} bytes is not a whole number of 13-byte records")
+    if not header or len(header) % RESULT_BYTES:
+        raise ValueError(f"a result batch header of {len(header)} bytes is not a whole number of "
+                         f"{RESULT_BYTES}-byte records")
     PyObject_GetBuffer(header, &hb, PyBUF_SIMPLE)
     try:
-        n = hb.len // 13
+        n = hb.len // RESULT_BYTES
         for i in range(n):
-            total += <Py_ssize_t>get_le(<const uchar*>hb.buf + 13 * i + 9, 4)
+            total += <Py_ssize_t>get_le(<const uchar*>hb.buf + RESULT_BYTES * i + RESULT_SIZE_AT, 4)
     finally:
         PyBuffer_Release(&hb)
     if total != len(blob):
@@ -2096,8 +2066,7 @@ cdef class Intake:
         """Admit a request that needs no Python: False leaves it to `other`."""
         cdef str op = peek.op
         model = None
-        if op is OP_TOKENIZE or op is OP_DETOKENIZE or op is OP_CHAT or op is OP_STREAM or (
-                op is OP_COUNT and peek.model is not None):
+        if op in _MODEL_OPS or (op is OP_COUNT and peek.model is not None):
             entry = self.models.get(peek.model, _UNSEEN)
             if entry is _UNSEEN:
                 return False
@@ -2155,11 +2124,11 @@ cdef class Intake:
         PyObject_GetBuffer(header, &hb, PyBUF_SIMPLE)
         try:
             p = <const uchar*>hb.buf
-            n = hb.len // 13
+            n = hb.len // RESULT_BYTES
             for i in range(n):
-                size = <Py_ssize_t>get_le(p + 13 * i + 9, 4)
-                code = p[13 * i + 8]
-                found = dispatcher.finish(wid, <long long>get_le(p + 13 * i, 8), code == 0)
+                size = <Py_ssize_t>get_le(p + RESULT_BYTES * i + RESULT_SIZE_AT, 4)
+                code = p[RESULT_BYTES * i + RESULT_OUTCOME_AT]
+                found = dispatcher.finish(wid, <long long>get_le(p + RESULT_BYTES * i + RESULT_ID_AT, 8), code == 0)
                 if found is not None:
                     job = <Job>found
                     jobs.release(job)
