@@ -314,11 +314,21 @@ cdef enum IdKind:
     ID_EXT = 4
 
 
+cdef inline bint is_map_head(unsigned char b) noexcept nogil:
+    """Whether a value that starts with this byte is a map (fixmap, map 16/32)."""
+    return (0x80 <= b <= 0x8F) or b == 0xDE or b == 0xDF
+
+
+cdef inline bint is_array_head(unsigned char b) noexcept nogil:
+    """Whether a value that starts with this byte is an array (fixarray, array 16/32)."""
+    return (0x90 <= b <= 0x9F) or b == 0xDC or b == 0xDD
+
+
 cdef inline IdKind id_kind(unsigned char b) noexcept nogil:
     """What kind of id a value is, from its first byte (the value is known to be well formed)."""
-    if (0x90 <= b <= 0x9F) or b == 0xDC or b == 0xDD:
+    if is_array_head(b):
         return ID_LIST
-    if (0x80 <= b <= 0x8F) or b == 0xDE or b == 0xDF:
+    if is_map_head(b):
         return ID_MAP
     if (0xC7 <= b <= 0xC9) or (0xD4 <= b <= 0xD8):
         return ID_EXT
