@@ -7,6 +7,8 @@ in Python cost 3-16 us per job (1-16 workers).
 from tokenbroker.broker._jobs cimport Job
 from tokenbroker.broker._router cimport Router, Slots
 
+from tokenbroker.common.protocol import LANE_COUNT_BYTES as _LANE_COUNT_BYTES
+
 
 def _unplaced(model, *, catalog):
     """With no placement (a dispatcher on its own): a catalog model has no holders, any other goes anywhere."""
@@ -90,10 +92,11 @@ cdef class Dispatcher:
     # --- jobs
 
     cpdef enqueue(self, Job job):
-        # Off the worker's loop: a long tokenize when caches are off (workers/background.py), and a long
-        # count in every cache mode (workers/count_lane.py). A worker holds one such job at a time.
-        job.off_loop = len(job.raw) > self.worker_bytes and (
-            job.op == "count" or (self.long_off_loop and job.op == "tokenize"))
+        # Off the worker's loop: a long tokenize when caches are off (workers/background.py), and a count
+        # its worker counts on its lane, in every cache mode (workers/count_lane.py). A worker holds one such
+        # job at a time: counted in bytes, four 300 KB bodies filled a worker and the small jobs queued behind.
+        job.off_loop = (job.op == "count" and len(job.raw) > _LANE_COUNT_BYTES) or (
+            self.long_off_loop and job.op == "tokenize" and len(job.raw) > self.worker_bytes)
         self.pending.append(job)
         self.waiting += 1
         if job.catalog:

@@ -473,7 +473,8 @@ class Broker:
             else:
                 self.catalog.adopt(model, info, fingerprint)
                 own.append(model)
-        self.placement.add_worker(w.wid, ours, now, own=own, names=w.ready.names, globs=w.ready.maps)
+        self.placement.add_worker(w.wid, ours, now, own=own, names=w.ready.names, globs=w.ready.maps,
+                                  engine_limit=w.ready.engine_limit)
         self.dispatcher.add_worker(w.wid, w.ready.capacity)
         self.metrics.worker_joined(w.name)
         self.replan = True
@@ -547,6 +548,7 @@ class Broker:
                                           demand=self.dispatcher.demand, full=self.dispatcher.full,
                                           busy=self.dispatcher.holds_model,
                                           fingerprints={e.name: e.fingerprint for e in entries if e.fingerprint},
+                                          tokenizers={e.name: e.info["tokenizer"] for e in entries if e.info.get("tokenizer")},
                                           jobs=self.dispatcher.held):
             if isinstance(action, Load):
                 spec = self.catalog.entries[action.model].spec

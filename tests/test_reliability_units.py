@@ -141,13 +141,14 @@ def test_a_long_tokenize_holds_one_lane_of_its_worker_and_small_jobs_keep_flowin
 
 def test_a_long_count_holds_one_lane_of_its_worker_in_every_cache_mode():
     """Workers count a long body off their loop whatever their caches (workers/count_lane.py): the
-    broker sends them small jobs meanwhile, and one long count at a time."""
+    broker sends them small jobs meanwhile, and one long count at a time, however many bytes the
+    worker may hold (six 300 KB bodies held by their bytes filled it, and the small jobs waited)."""
     from tokenbroker.broker._dispatch import Dispatcher
     from tokenbroker.broker._jobs import Job
     from tokenbroker.broker._routekey import route_key
     from tokenbroker.broker._router import Router
     from tokenbroker.broker.frontend import peek_request
-    from tokenbroker.common.protocol import Envelope, pack
+    from tokenbroker.common.protocol import LANE_COUNT_BYTES, Envelope, pack
 
     def job(i: int, op: str, size: int) -> Job:
         body = {"op": "count", "body": "x" * size} if op == "count" else {"op": op, "text": "x" * size}
@@ -155,13 +156,18 @@ def test_a_long_count_holds_one_lane_of_its_worker_in_every_cache_mode():
         return Job(i, Envelope(b"c", True), b"\xc0", peek.raw, peek.op, route_key(peek), received=0.0, deadline=30.0,
                    queued=0.0)
 
-    for caches_on in (False, True):
-        d = Dispatcher(Router(), spill_wait=0.0, worker_bytes=1000, long_off_loop=not caches_on)
+    long_count = LANE_COUNT_BYTES + 1000
+    for caches_on, worker_bytes in ((False, 1000), (True, 1000), (True, 1 << 20)):  # a count under the byte bound too
+        d = Dispatcher(Router(), spill_wait=0.0, worker_bytes=worker_bytes, long_off_loop=not caches_on)
         d.add_worker(b"w1", 8)
-        for j in (job(1, "count", 5000), job(2, "count", 5000), *(job(10 + i, "tokenize", 10) for i in range(3))):
+        counts = [job(i, "count", long_count) for i in range(1, 7)]
+        for j in (*counts, *(job(10 + i, "tokenize", 10) for i in range(3))):
             d.enqueue(j)
         placed = [j.job_id for _, jobs in d.assign(0.1) for j in jobs]
-        assert placed == [1, 10, 11, 12], caches_on  # the second long count waits; the small ones do not
+        assert placed == [1, 10, 11, 12], caches_on  # the other long counts wait; the small ones do not
+        short = job(4, "count", LANE_COUNT_BYTES - 100)
+        d.enqueue(short)
+        assert not short.off_loop  # counted on the worker's round loop: it holds such counts by their bytes
         long_tokenize = job(3, "tokenize", 5000)
         d.enqueue(long_tokenize)
         assert long_tokenize.off_loop is not caches_on  # a long tokenize: off the loop with caches off only

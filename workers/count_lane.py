@@ -4,8 +4,9 @@ A provider body of thousands of messages or images is read, harvested and counte
 hundreds of milliseconds (3,000 image parts with absurd PNG headers: 85-170 ms through a broker),
 and the first count of an OpenAI model builds its encoding from the local file (about 1.6 s). On
 the round loop every small request behind such a count waited that long. So a count whose payload
-is over COUNT_LANE_BYTES, or whose body has a top-level list (messages, contents, input, tools)
-of more than COUNT_LANE_ITEMS items, or whose ladder would first build a tokenizer, runs on the
+is over LANE_COUNT_BYTES (common/protocol.py: the broker sends a worker one such count at a time, and
+small jobs meanwhile), or whose body has a top-level list (messages, contents, input, tools) of
+more than COUNT_LANE_ITEMS items, or whose ladder would first build a tokenizer, runs on the
 encode lane (background.py), as a long encode does; a payload the worker took as a view of
 ZeroMQ's frame (over ops.OFFLOAD_BYTES) is even parsed there, when its `op` is readable in its
 head (`count_at_head`).
@@ -27,11 +28,10 @@ from collections.abc import Callable
 import msgpack
 
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import seek_key
+from tokenbroker.common.protocol import LANE_COUNT_BYTES, seek_key
 
 from .registry import Model, ModelRegistry
 
-COUNT_LANE_BYTES = 16 * 1024  # a count payload longer than this is counted on the encode lane (~1 ms of harvest)
 COUNT_LANE_ITEMS = 256  # or one whose body has a top-level list longer than this
 _HEAD = 1 << 16  # bytes of a payload read to find its `op` without parsing it
 
@@ -53,7 +53,7 @@ def count_at_head(payload: bytes | memoryview) -> bool:
 def wants_lane(payload: dict, payload_bytes: int, registry: ModelRegistry) -> bool:
     """A parsed count request is worth the lane's hop: a long payload, a long top-level list, or a
     tokenizer its ladder would build first (an OpenAI encoding's first use, the fallback's)."""
-    if payload_bytes > COUNT_LANE_BYTES:
+    if payload_bytes > LANE_COUNT_BYTES:
         return True
     body = payload.get("body")
     if type(body) is dict and any(type(v) is list and len(v) > COUNT_LANE_ITEMS for v in body.values()):
