@@ -28,14 +28,14 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Malloc, PyMem_Free
 from cpython.unicode cimport PyUnicode_DecodeUTF8
-from libc.stdlib cimport qsort
-from libc.string cimport memcpy, memcmp
+from libc.string cimport memcmp, memcpy, memset
 
-from tokenbroker.broker._hash cimport DIGEST, Hash, h_digest, h_init, h_update, u64, uchar
+from tokenbroker.broker._hash cimport mix64, u64, uchar
 from tokenbroker.common._wire cimport (Head, read_head, skip, skip_any, utf8_valid, utf8_fault, id_fault, is_map_head,
                            is_array_head, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR, K_BIN, K_ARRAY, K_MAP,
                            W_OK, W_TRUNCATED, W_INVALID, W_TOO_DEEP, W_TOO_LONG)
 
+from os import urandom
 from sys import intern as _intern
 
 from tokenbroker.common.errors import ProtocolError
@@ -187,36 +187,60 @@ cdef struct Key:
     Py_ssize_t n
 
 
-cdef int _key_cmp(const void* x, const void* y) noexcept nogil:
-    cdef u64 a = (<const Key*>x).hash, b = (<const Key*>y).hash
-    return -1 if a < b else (1 if a > b else 0)
+# The key hash's seed, drawn per process: which keys share a slot of `_repeated`'s table cannot be
+# chosen by a client (a key of at most 8 bytes never shares a hash: one word through a bijection).
+cdef u64 KEY_SEED = int.from_bytes(urandom(8), "little")
 
 
 cdef inline u64 _key_hash(const uchar* k, Py_ssize_t n) noexcept nogil:
-    cdef Hash h
-    cdef uchar out[DIGEST]
-    cdef u64 v
-    h_init(&h)
-    h_update(&h, k, n)
-    h_digest(&h, out)
-    memcpy(&v, out, 8)
-    return v
+    """64 bits of a key's bytes, a word at a time (keys are short: a full digest would cost more)."""
+    cdef u64 h = KEY_SEED ^ (<u64>n * 0x9E3779B97F4A7C15ULL), w
+    while n >= 8:
+        memcpy(&w, k, 8)
+        h = mix64(h ^ w)
+        k += 8
+        n -= 8
+    if n > 0:
+        w = 0
+        memcpy(&w, k, n)
+        h = mix64(h ^ w ^ 0xA5A5A5A5A5A5A5A5ULL)
+    return h
 
 
-cdef Py_ssize_t _repeated(Key* keys, Py_ssize_t n) noexcept nogil:
-    """The index of a key that equals another, or -1: hashed once each (linear in their bytes),
-    then sorted by hash, so only keys of equal hash are compared byte by byte."""
-    cdef Py_ssize_t i, j
-    if n < 2:
+cdef inline bint _same(const Key* a, const Key* b) noexcept nogil:
+    return a.hash == b.hash and a.n == b.n and memcmp(a.at, b.at, a.n) == 0
+
+
+cdef Py_ssize_t _repeated(Key* keys, Py_ssize_t n) except -2:
+    """The index of a key that equals an earlier one, or -1: each key hashed once (linear in its
+    bytes), then a few pairs compared, or an open-addressed table of twice as many slots filled,
+    so only keys of equal hash are compared byte by byte: one pass, however many keys (at most
+    FIELDS)."""
+    cdef Py_ssize_t i, j, size = 1, slot
+    cdef Py_ssize_t* table
+    if n <= SMALL_KEYS:
+        for i in range(1, n):
+            for j in range(i):
+                if _same(&keys[i], &keys[j]):
+                    return i
         return -1
-    qsort(keys, n, sizeof(Key), _key_cmp)
-    for i in range(n - 1):
-        j = i + 1
-        while j < n and keys[j].hash == keys[i].hash:
-            if keys[j].n == keys[i].n and memcmp(keys[j].at, keys[i].at, keys[i].n) == 0:
-                return i
-            j += 1
-    return -1
+    while size < 2 * n:
+        size <<= 1
+    table = <Py_ssize_t*>PyMem_Malloc(size * sizeof(Py_ssize_t))
+    if table == NULL:
+        raise MemoryError()
+    memset(table, 0xFF, size * sizeof(Py_ssize_t))  # every slot -1: empty
+    try:
+        for i in range(n):
+            slot = <Py_ssize_t>(keys[i].hash & <u64>(size - 1))
+            while table[slot] >= 0:
+                if _same(&keys[i], &keys[table[slot]]):
+                    return i
+                slot = (slot + 1) & (size - 1)
+            table[slot] = i
+        return -1
+    finally:
+        PyMem_Free(table)
 
 
 cdef str _twice(const uchar* k, Py_ssize_t n):
