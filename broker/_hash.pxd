@@ -1,8 +1,8 @@
 # The route key's hash, cimported by the broker's cores (broker/_routekey.pyx; its finalizer mix64
 # also by broker/_router.pyx and broker/_peek.pyx): a 128-bit streaming hash of our own, two
-# multiply-xorshift lanes with SplitMix64 finalizers. Routing needs spread and prefix sharing, not a cryptographic digest (SHA-256 through
-# hashlib cost a Python call per block: 367 us of broker CPU per 12-message chat), and keys are never
-# compared across processes. Inline, as common/_wire.pxd is: a header in effect, no module behind it.
+# multiply-xorshift lanes with SplitMix64 finalizers. Routing needs spread and prefix sharing, not a
+# cryptographic digest (SHA-256 through hashlib cost a Python call per block: 367 us of broker CPU
+# per 12-message chat), and keys are never compared across processes. Inline, as common/_wire.pxd is: a header in effect, no module behind it.
 #
 # In a core: `from tokenbroker.broker._hash cimport Hash, h_init, h_update, h_digest, DIGEST`.
 
