@@ -2,7 +2,8 @@
 # also by broker/_router.pyx and broker/_peek.pyx): a 128-bit streaming hash of our own, two
 # multiply-xorshift lanes with SplitMix64 finalizers. Routing needs spread and prefix sharing, not a
 # cryptographic digest (SHA-256 through hashlib cost a Python call per block: 367 us of broker CPU
-# per 12-message chat), and keys are never compared across processes. Inline, as common/_wire.pxd is: a header in effect, no module behind it.
+# per 12-message chat), and keys are never compared across processes. Inline, as common/_wire.pxd
+# is: a header in effect, no module behind it.
 #
 # In a core: `from tokenbroker.broker._hash cimport Hash, h_init, h_update, h_digest, DIGEST`.
 
