@@ -188,7 +188,7 @@ def test_small_requests_go_beside_fourteen_huge_image_counts_on_two_workers():
     A worker counts each body on its encode lane and the broker sends it one at a time, outside its
     byte budget (broker/dispatch.py): the small requests go to the workers at once and are answered
     while the first bodies are counted. Held by their bytes, four bodies filled a worker and the
-    small requests queued behind the six left over, answered only after the sixth body."""
+    small requests queued behind the six left over: each was answered after eight bodies."""
     b64 = _png_header(HUGE, HUGE)
     shapes = [("contents" if fmt == "gemini.generate" else "messages", fmt, model, message, scaled)
               for fmt, model, message, scaled in _HUGE_IMAGE_BODIES]

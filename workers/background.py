@@ -43,9 +43,9 @@ log = logging.getLogger(__name__)
 WATCH_GRACE_S = 1.0  # a call may run this long past its job's deadline before the lane gives up on it
 # How long a lane's thread may keep the GIL while the round thread waits for it. The round thread
 # lets the GIL go at every poll, frame received or sent and batch encode, and a lane running Python
-# (a count's harvest) takes it each time: at CPython's 5 ms a small request's round waited up to
-# 5 ms per hand-back, 10-25 ms in all, with a p99 of 53-75 ms per hand-back; at 1 ms, 11-19 ms
-# (scripts/bench_lanes). The lane pays a switch more per millisecond, a few microseconds each.
+# (a count's harvest) takes it each time: at CPython's 5 ms the round thread had it back after p50
+# 5.2 ms, p99 55 ms, and a small request pays that several times a round; at 1 ms, p50 0.6 ms,
+# p99 15 ms (scripts/bench_lanes, in process). The lane pays a switch a millisecond, microseconds each.
 LANE_SWITCH_S = 0.001
 
 
