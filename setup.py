@@ -26,7 +26,10 @@ CORES = [
     ("tokenbroker.broker._core", "broker/_core.pyx"),
     ("tokenbroker.workers._core", "workers/_core.pyx"),
     ("tokenbroker.workers.cache._cache", "workers/cache/_cache.pyx"),
-    ("tokenbroker._codec", "src/tokenbroker/_codec.pyx"),
+    ("tokenbroker._packer", "src/tokenbroker/_packer.pyx"),
+    ("tokenbroker._calls", "src/tokenbroker/_calls.pyx"),
+    ("tokenbroker._frames", "src/tokenbroker/_frames.pyx"),
+    ("tokenbroker._replies", "src/tokenbroker/_replies.pyx"),
 ]
 
 # Where each installed package's sources are (pyproject.toml's [tool.setuptools.package-dir]).

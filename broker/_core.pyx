@@ -21,7 +21,7 @@ after one walk in C that finds its id (a 29 MB map of 3 million unknown keys cos
 worker's decode would cost seconds); str keys and
 the str values the broker reads are checked as strict UTF-8, as msgpack would decode them.
 
-The route key (see broker/affinity.py for the design): prefix-block hashes at fixed byte offsets
+The route key (docs/routing.md, "Route keys", holds the design): prefix-block hashes at fixed byte offsets
 and a rendezvous key, computed with a 128-bit streaming hash of our own (two multiply-xorshift
 lanes, SplitMix64 finalizers): routing needs spread and prefix sharing, not a cryptographic
 digest, and SHA-256 through hashlib cost a Python call per block.
@@ -35,7 +35,7 @@ from libc.stdlib cimport qsort
 from libc.string cimport memcpy, memcmp
 
 from tokenbroker.common._pack cimport put_le
-from tokenbroker.common._wire cimport (Head, get_le, read_head, skip, utf8_valid, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR,
+from tokenbroker.common._wire cimport (Head, get_le, read_head, skip, skip_any, utf8_valid, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR,
                            K_BIN, K_ARRAY, K_MAP, K_EXT, W_OK, W_TRUNCATED, W_INVALID, W_TOO_DEEP, W_TOO_LONG)
 
 from heapq import heapify, heappop, heappush
@@ -53,11 +53,13 @@ ctypedef unsigned long long u64
 cdef enum:
     DEPTH = 100           # the deepest a request's values may nest (skipping included)
     FIELDS = 4096         # the most fields one request map may have
+    ARRAY_REQUESTS = 4096 # the most requests one array frame may hold (contract 1.4)
     NBLOCKS = 256         # prefix blocks per route key, at most
     DIGEST = 16
 
 MAX_DEPTH = DEPTH
 MAX_FIELDS = FIELDS
+MAX_ARRAY_REQUESTS = ARRAY_REQUESTS
 MAX_BLOCKS = NBLOCKS
 DIGEST_BYTES = DIGEST
 MIN_BLOCK = 256
@@ -339,29 +341,20 @@ cdef str _fault_name(Py_ssize_t rc):
     return "a container claims more items than the bytes left hold"
 
 
-cdef object _broken(const uchar* p, Py_ssize_t start, Py_ssize_t end, Py_ssize_t rc, bytes raw_id):
-    """The bad_request a frame that is not one bounded MessagePack value gets."""
+cdef str _broken(const uchar* p, Py_ssize_t start, Py_ssize_t end, Py_ssize_t rc):
+    """Why a frame that is not one bounded MessagePack value is refused (bad_request)."""
     cdef str starting = f", starting 0x{p[start]:02x}" if start < end else ", empty"
-    return ProtocolError("bad_request", f"payload is not valid MessagePack ({end - start} bytes{starting}): "
-                         f"{_fault_name(rc)}", raw_id)
+    return f"payload is not valid MessagePack ({end - start} bytes{starting}): {_fault_name(rc)}"
 
 
-cdef object _not_utf8(const uchar* s, Py_ssize_t n, bytes raw_id):
-    """The bad_request for a str msgpack would refuse to decode, with Python's own reason."""
+cdef str _not_utf8(const uchar* s, Py_ssize_t n):
+    """Why a str msgpack would refuse to decode is refused, in Python's own words."""
     try:
         PyUnicode_DecodeUTF8(<const char*>s, n, NULL)
         reason = "invalid UTF-8"
     except UnicodeDecodeError as e:
         reason = e.reason
-    return ProtocolError("bad_request", f"payload holds a str that is not valid UTF-8: {reason}", raw_id)
-
-
-cdef str _str_at(const uchar* p, Py_ssize_t start, Py_ssize_t end):
-    """The str at `start`, decoded (the caller checked it is a valid str)."""
-    cdef Head h
-    cdef Py_ssize_t pos = start
-    read_head(p, end, &pos, &h)
-    return PyUnicode_DecodeUTF8(<const char*>(p + pos), h.length, NULL)
+    return f"payload holds a str that is not valid UTF-8: {reason}"
 
 
 cdef class Peek:
@@ -370,6 +363,10 @@ cdef class Peek:
     `raw` is the frame it came in (bytes, or a view of ZeroMQ's buffer for a large one); `body` is
     the request's own bytes, what the worker gets: the frame itself for a lone map, a view of it
     for an element of an array (no copy until ZeroMQ takes it).
+
+    An element of an array that the broker refuses is a Peek too, with `code` (bad_request or
+    unknown_op) and `message` set and `op` None: an array of 4,096 refused elements costs 4,096
+    small objects, never an exception raised or kept per element.
     """
 
     cdef public object raw
@@ -379,6 +376,8 @@ cdef class Peek:
     cdef public object deadline_ms
     cdef public object affinity
     cdef public object body
+    cdef public str code         # the error code that answers the request, None when it is readable
+    cdef public str message
     cdef Py_ssize_t s[NFIELDS]   # where each field's value starts in raw (-1: absent)
     cdef Py_ssize_t e[NFIELDS]   # and ends
 
@@ -388,69 +387,178 @@ cdef class Peek:
         cdef int i
         return {INPUT_FIELDS[i - FIRST_INPUT]: (self.s[i], self.e[i]) for i in range(FIRST_INPUT, NFIELDS) if self.s[i] >= 0}
 
-    def value(self, name: str):
-        """The raw MessagePack bytes of an input field, or None when absent."""
-        span = self.spans.get(name)
-        return None if span is None else self.raw[span[0]:span[1]]
-
     def __repr__(self) -> str:
+        if self.code is not None:
+            return f"Peek(code={self.code!r}, message={self.message!r}, raw_id={self.raw_id!r})"
         return f"Peek(op={self.op!r}, model={self.model!r}, raw_id={self.raw_id!r}, {len(self.body)} bytes)"
 
 
-cdef Py_ssize_t _walk(const uchar* p, Py_ssize_t start, Py_ssize_t end, Peek out) except -2:
-    """Read the map at `start` into `out` (fields checked as common/protocol.common_fields checks
-    them, in its order); where the map ends. Raises the ProtocolError that answers it, carrying the
-    id read so far."""
+cdef inline int _refuse(Peek out, str code, str message) except -1:
+    """Keep the first fault found (the walk goes on to the map's end, to read its id)."""
+    if out.code is None:
+        out.code = code
+        out.message = message
+    return 0
+
+
+cdef struct Key:
+    u64 hash
+    const uchar* at
+    Py_ssize_t n
+
+
+cdef int _key_cmp(const void* x, const void* y) noexcept nogil:
+    cdef u64 a = (<const Key*>x).hash, b = (<const Key*>y).hash
+    return -1 if a < b else (1 if a > b else 0)
+
+
+cdef inline u64 _key_hash(const uchar* k, Py_ssize_t n) noexcept nogil:
+    cdef Hash h
+    cdef uchar out[DIGEST]
+    cdef u64 v
+    h_init(&h)
+    h_update(&h, k, n)
+    h_digest(&h, out)
+    memcpy(&v, out, 8)
+    return v
+
+
+cdef Py_ssize_t _repeated(Key* keys, Py_ssize_t n) noexcept nogil:
+    """The index of a key that equals another, or -1: hashed once each (linear in their bytes),
+    then sorted by hash, so only keys of equal hash are compared byte by byte."""
+    cdef Py_ssize_t i, j
+    if n < 2:
+        return -1
+    qsort(keys, n, sizeof(Key), _key_cmp)
+    for i in range(n - 1):
+        j = i + 1
+        while j < n and keys[j].hash == keys[i].hash:
+            if keys[j].n == keys[i].n and memcmp(keys[j].at, keys[i].at, keys[i].n) == 0:
+                return i
+            j += 1
+    return -1
+
+
+cdef str _twice(const uchar* k, Py_ssize_t n):
+    cdef str name = PyUnicode_DecodeUTF8(<const char*>k, n if n < 200 else 200, "replace")
+    return f"payload map holds the key {name!r} twice; a request names each field once"
+
+
+cdef enum:
+    SMALL_KEYS = 16   # unknown keys held on the stack; a larger map's are allocated
+
+
+cdef Py_ssize_t _walk(const uchar* p, Py_ssize_t start, Py_ssize_t end, Peek out) except -9:
+    """Read the map at `start` into `out` in one bounded pass: each key once, the fields checked as
+    common/protocol.common_fields checks them, in its order. Returns where the map ends, with
+    `out.code` set when the request is refused (by the first fault found: the walk still reads on
+    to the end, so the refusal carries the id wherever it lies); or a Fault (negative) when the
+    bytes are not one MessagePack map, `out.message` saying why (then nothing after it can be
+    read, and `out.raw_id` is the id read so far).
+
+    Contract 1.4's bounds: more than FIELDS fields, a value nested deeper than DEPTH (stepped over
+    with the unbounded skipper, so the fields after it are read) and a key given twice are refused."""
     cdef Head h, kh, vh
-    cdef Py_ssize_t pos = start, kat, vend, i, n
+    cdef Py_ssize_t pos = start, kat, vend, i, n, nkeys = 0, dup
     cdef int rc, f
+    cdef unsigned int seen = 0
+    cdef bint id_bad = False
     cdef const uchar* k
-    cdef bytes raw_id = NIL
+    cdef Key small[SMALL_KEYS]
+    cdef Key* keys = small
+    cdef str fault
+    out.raw_id = NIL
+    out.code = None
     for i in range(NFIELDS):
         out.s[i] = -1
     rc = read_head(p, end, &pos, &h)
     if rc != W_OK:
-        raise _broken(p, start, end, rc, raw_id)
-    for i in range(h.length):
-        kat = pos
-        rc = read_head(p, end, &pos, &kh)
-        if rc != W_OK:
-            raise _broken(p, start, end, rc, raw_id)
-        if kh.kind != K_STR:
-            raise ProtocolError("bad_request", f"payload map keys must be str, got {_type_name(&kh)}", raw_id)
-        k = p + pos
-        pos += kh.length
-        f = _field_of(k, kh.length)
-        if f < 0 and not utf8_valid(k, kh.length):
-            raise _not_utf8(k, kh.length, raw_id)
-        vend = skip(p, end, pos, DEPTH)
-        if vend < 0:
-            raise _broken(p, start, end, vend, raw_id)
-        if f == F_ID:
-            raw_id = _checked_id(p, pos, vend)
-        elif f >= 0:
-            if F_OP <= f <= F_FORMAT:  # a str the broker decodes: msgpack would refuse invalid UTF-8 here
-                n = pos
-                read_head(p, end, &n, &vh)
-                if vh.kind == K_STR and not utf8_valid(p + n, vh.length):
-                    raise _not_utf8(p + n, vh.length, raw_id)
-            out.s[f] = pos
-            out.e[f] = vend
-        pos = vend
-    out.raw_id = raw_id
-    if h.length > FIELDS:  # refused, but walked first (in C, ~10 ns a field) so the answer carries its id
-        raise ProtocolError("bad_request", f"payload map has {h.length} fields; a request has at most {FIELDS}", raw_id)
-    _common(p, end, out)
+        out.message = _broken(p, start, end, rc)
+        return rc
+    if h.length > FIELDS:  # refused, but walked (in C, ~10 ns a field) so the answer carries its id
+        _refuse(out, "bad_request", f"payload map has {h.length} fields; a request has at most {FIELDS}")
+    elif h.length > SMALL_KEYS:
+        keys = <Key*>PyMem_Malloc(h.length * sizeof(Key))
+        if keys == NULL:
+            raise MemoryError()
+    try:
+        for i in range(h.length):
+            kat = pos
+            rc = read_head(p, end, &pos, &kh)
+            if rc != W_OK:
+                out.message = _broken(p, start, end, rc)
+                return rc
+            f = -2
+            if kh.kind != K_STR:
+                _refuse(out, "bad_request", f"payload map keys must be str, got {_type_name(&kh)}")
+                pos = skip_any(p, end, kat)
+                if pos < 0:
+                    out.message = _broken(p, start, end, pos)
+                    return pos
+            else:
+                k = p + pos
+                pos += kh.length
+                f = _field_of(k, kh.length)
+                if f >= 0:
+                    if seen & (1u << f):  # a field given twice: refused, its second value not read
+                        _refuse(out, "bad_request", _twice(k, kh.length))
+                        if f == F_ID:
+                            id_bad = True
+                        f = -2
+                    else:
+                        seen |= 1u << f
+                elif not utf8_valid(k, kh.length):
+                    _refuse(out, "bad_request", _not_utf8(k, kh.length))
+                elif h.length <= FIELDS:
+                    keys[nkeys].hash = _key_hash(k, kh.length)
+                    keys[nkeys].at = k
+                    keys[nkeys].n = kh.length
+                    nkeys += 1
+            vend = skip(p, end, pos, DEPTH)
+            if vend == W_TOO_DEEP:
+                _refuse(out, "bad_request", f"payload holds a value nested deeper than {DEPTH} levels")
+                vend = skip_any(p, end, pos)
+            if vend < 0:
+                out.message = _broken(p, start, end, vend)
+                return vend
+            if f == F_ID:
+                fault = _id_fault(p, pos, vend)
+                if fault is not None:
+                    _refuse(out, "bad_request", fault)
+                    id_bad = True
+                elif not id_bad:
+                    out.raw_id = NIL if vend - pos == 1 and p[pos] == 0xC0 else PyBytes_FromStringAndSize(
+                        <const char*>(p + pos), vend - pos)
+            elif f >= 0:
+                if F_OP <= f <= F_FORMAT:  # a str the broker decodes: msgpack would refuse invalid UTF-8 here
+                    n = pos
+                    read_head(p, end, &n, &vh)
+                    if vh.kind == K_STR and not utf8_valid(p + n, vh.length):
+                        _refuse(out, "bad_request", _not_utf8(p + n, vh.length))
+                out.s[f] = pos
+                out.e[f] = vend
+            pos = vend
+        if out.code is None and nkeys > 1:
+            dup = _repeated(keys, nkeys)
+            if dup >= 0:
+                _refuse(out, "bad_request", _twice(keys[dup].at, keys[dup].n))
+    finally:
+        if keys != small:
+            PyMem_Free(keys)
+    if id_bad:
+        out.raw_id = NIL
+    if out.code is None:
+        _common(p, end, out)
     return pos
 
 
-cdef bytes _checked_id(const uchar* p, Py_ssize_t a, Py_ssize_t b):
-    """The id's bytes, or the bad_request (id nil) for an id that may not be echoed."""
+cdef str _id_fault(const uchar* p, Py_ssize_t a, Py_ssize_t b):
+    """Why an id may not be echoed (the request is answered bad_request, id nil), or None."""
     cdef uchar c = p[a]
     cdef Head h
     cdef Py_ssize_t pos = a
     cdef str kind
-    if (0x90 <= c <= 0x9F) or c == 0xDC or c == 0xDD:
+    if _is_array(c):
         kind = "list"
     elif _is_map(c):
         kind = "map"
@@ -460,34 +568,31 @@ cdef bytes _checked_id(const uchar* p, Py_ssize_t a, Py_ssize_t b):
         if (0xA0 <= c <= 0xBF) or (0xD9 <= c <= 0xDB):
             read_head(p, b, &pos, &h)
             if not utf8_valid(p + pos, h.length):
-                raise _not_utf8(p + pos, h.length, NIL)
-        if b - a == 1 and c == 0xC0:
-            return NIL
-        return PyBytes_FromStringAndSize(<const char*>(p + a), b - a)
-    raise ProtocolError("bad_request", f"field 'id' must be nil, bool, int, float, str or bin, got {kind}", NIL)
+                return _not_utf8(p + pos, h.length)
+        return None
+    return f"field 'id' must be nil, bool, int, float, str or bin, got {kind}"
 
 
 cdef int _common(const uchar* p, Py_ssize_t end, Peek out) except -1:
-    """The checks of common/protocol.common_fields, on the raw values, in its order."""
+    """The checks of common/protocol.common_fields, on the raw values, in its order; the first
+    that fails is the request's refusal."""
     cdef Head h
     cdef Py_ssize_t pos
     cdef long long v
     cdef str op
-    raw_id = out.raw_id
     # op
     pos = out.s[F_OP]
     if pos < 0:
-        raise ProtocolError("bad_request", "field 'op' is required", raw_id)
+        return _refuse(out, "bad_request", "field 'op' is required")
     read_head(p, end, &pos, &h)
     if h.kind == K_NIL:
-        raise ProtocolError("bad_request", "field 'op' is required", raw_id)
+        return _refuse(out, "bad_request", "field 'op' is required")
     if h.kind != K_STR:
-        raise ProtocolError("bad_request", f"field 'op' must be str, got {_type_name(&h)}", raw_id)
+        return _refuse(out, "bad_request", f"field 'op' must be str, got {_type_name(&h)}")
     op = _op_of(p + pos, h.length)
     if op is None:
-        from tokenbroker.common.protocol import OPS
         name = PyUnicode_DecodeUTF8(<const char*>(p + pos), h.length, NULL)
-        raise ProtocolError("unknown_op", f"field 'op' is {name!r}; expected one of {', '.join(sorted(OPS))}", raw_id)
+        return _refuse(out, "unknown_op", f"field 'op' is {name!r}; expected one of {', '.join(sorted(_OP_NAMES))}")
     out.op = op
     # deadline_ms
     out.deadline_ms = None
@@ -496,15 +601,15 @@ cdef int _common(const uchar* p, Py_ssize_t end, Peek out) except -1:
         read_head(p, end, &pos, &h)
         if h.kind == K_UINT:
             if h.uval == 0:
-                raise ProtocolError("bad_request", "field 'deadline_ms' must be an int > 0, got 0", raw_id)
+                return _refuse(out, "bad_request", "field 'deadline_ms' must be an int > 0, got 0")
             out.deadline_ms = MAX_DEADLINE_MS if h.uval > MAX_DEADLINE_MS else <long long>h.uval
         elif h.kind == K_INT:
             v = h.ival
             if v <= 0:
-                raise ProtocolError("bad_request", f"field 'deadline_ms' must be an int > 0, got {v}", raw_id)
+                return _refuse(out, "bad_request", f"field 'deadline_ms' must be an int > 0, got {v}")
             out.deadline_ms = MAX_DEADLINE_MS if v > MAX_DEADLINE_MS else v
         elif h.kind != K_NIL:
-            raise ProtocolError("bad_request", f"field 'deadline_ms' must be int, got {_type_name(&h)}", raw_id)
+            return _refuse(out, "bad_request", f"field 'deadline_ms' must be int, got {_type_name(&h)}")
     # tokens_format
     pos = out.s[F_FORMAT]
     if pos >= 0:
@@ -512,25 +617,42 @@ cdef int _common(const uchar* p, Py_ssize_t end, Peek out) except -1:
         if h.kind == K_STR:
             if not ((h.length == 4 and memcmp(p + pos, b"list", 4) == 0) or (h.length == 3 and memcmp(p + pos, b"u32", 3) == 0)):
                 fmt = PyUnicode_DecodeUTF8(<const char*>(p + pos), h.length, NULL)
-                raise ProtocolError("bad_request", f"field 'tokens_format' must be \"list\" or \"u32\", got {fmt!r}", raw_id)
+                return _refuse(out, "bad_request", f"field 'tokens_format' must be \"list\" or \"u32\", got {fmt!r}")
         elif h.kind != K_NIL:
-            raise ProtocolError("bad_request", f"field 'tokens_format' must be str, got {_type_name(&h)}", raw_id)
+            return _refuse(out, "bad_request", f"field 'tokens_format' must be str, got {_type_name(&h)}")
     # model, affinity
-    out.model = _opt_str(p, end, out.s[F_MODEL], "model", raw_id)
-    out.affinity = _opt_str(p, end, out.s[F_AFFINITY], "affinity", raw_id)
+    if _opt_str(p, end, out.s[F_MODEL], "model", out) == 0:
+        _opt_str(p, end, out.s[F_AFFINITY], "affinity", out)
     return 0
 
 
-cdef object _opt_str(const uchar* p, Py_ssize_t end, Py_ssize_t pos, str name, bytes raw_id):
+cdef int _opt_str(const uchar* p, Py_ssize_t end, Py_ssize_t pos, str name, Peek out) except -2:
+    """An optional str field into `out` (model, affinity); -1 when it is refused."""
     cdef Head h
-    if pos < 0:
-        return None
-    read_head(p, end, &pos, &h)
-    if h.kind == K_NIL:
-        return None
-    if h.kind != K_STR:
-        raise ProtocolError("bad_request", f"field '{name}' must be str, got {_type_name(&h)}", raw_id)
-    return PyUnicode_DecodeUTF8(<const char*>(p + pos), h.length, NULL)
+    value = None
+    if pos >= 0:
+        read_head(p, end, &pos, &h)
+        if h.kind == K_STR:
+            value = PyUnicode_DecodeUTF8(<const char*>(p + pos), h.length, NULL)
+        elif h.kind != K_NIL:
+            _refuse(out, "bad_request", f"field '{name}' must be str, got {_type_name(&h)}")
+            return -1
+    if name == "model":
+        out.model = value
+    else:
+        out.affinity = value
+    return 0
+
+
+cdef inline void _unread(Peek out, object raw, bytes raw_id, str message):
+    """A refused element that is not a map: no field of it is read."""
+    cdef int i
+    for i in range(NFIELDS):
+        out.s[i] = -1
+    out.raw = raw
+    out.raw_id = raw_id
+    out.code = "bad_request"
+    out.message = message
 
 
 # --- frames ------------------------------------------------------------------------------
@@ -550,6 +672,10 @@ def peek_request(raw) -> Peek:
             raise ProtocolError("bad_request", f"payload must be a map, got {first_type(raw[:9])}", NIL)
         out = Peek.__new__(Peek)
         stop = _walk(p, 0, end, out)
+        if stop < 0:
+            raise ProtocolError("bad_request", out.message, out.raw_id)
+        if out.code is not None:
+            raise ProtocolError(out.code, out.message, out.raw_id)
         if stop != end:
             raise ProtocolError("bad_request", "payload holds more than one MessagePack value: send one map", out.raw_id)
     finally:
@@ -561,10 +687,12 @@ def peek_request(raw) -> Peek:
 
 def peek_array(raw) -> list:
     """The requests of a frame that is an array (contract 1.2, "Several requests in one frame"), in
-    one pass: each element a Peek (its `body` a view of the frame) or the ProtocolError that answers
-    it. Raises ProtocolError (id nil) when the frame itself cannot be read: then nothing in it is
-    served and one reply answers it. So does an array with no map in it: that is a payload of the
-    wrong type, answered as 1.1 answers one. An empty array is no request: [] (no reply)."""
+    one bounded pass: each element a Peek, its `body` a view of the frame, or with `code` set when
+    the broker refuses it (contract 1.4: that element alone). Raises ProtocolError (id nil) when the
+    frame itself cannot be read or holds more than ARRAY_REQUESTS elements (checked from its
+    header, before any element is read): then nothing in it is served and one reply answers it. So
+    does an array with no map in it: that is a payload of the wrong type, answered as 1.1 answers
+    one. An empty array is no request: [] (no reply)."""
     cdef Py_buffer buf
     cdef const uchar* p
     cdef Py_ssize_t end, pos = 0, start, stop, i, count
@@ -583,27 +711,27 @@ def peek_array(raw) -> list:
             raise ProtocolError("bad_request", f"payload is truncated: the array claims more requests than its "
                                 f"{end} bytes hold", NIL)
         if rc != W_OK or h.kind != K_ARRAY:
-            raise _broken(p, 0, end, rc if rc != W_OK else W_INVALID, NIL)
+            raise ProtocolError("bad_request", _broken(p, 0, end, rc if rc != W_OK else W_INVALID), NIL)
         count = h.length
+        if count > ARRAY_REQUESTS:
+            raise ProtocolError("bad_request", f"payload is an array of {count} requests; an array holds at most "
+                                f"{ARRAY_REQUESTS}", NIL)
         for i in range(count):
             start = pos
             if start >= end:
                 raise ProtocolError("bad_request", f"payload is truncated: the array says {count} requests, "
                                     f"the frame holds {i}", NIL)
-            if not _is_map(p[start]):
-                out.append(ProtocolError("bad_request", f"request [{i}] of the array must be a map, "
-                                         f"got {first_type(raw[start:start + 9])}", NIL))
-                pos = _skip_element(p, start, end)
-                continue
-            maps += 1
             peek = Peek.__new__(Peek)
-            try:
+            if _is_map(p[start]):
+                maps += 1
                 stop = _walk(p, start, end, peek)
-            except ProtocolError as e:
-                out.append(e)
-                pos = _skip_element(p, start, end)
-                continue
-            peek.raw = raw
+                peek.raw = raw
+            else:
+                _unread(peek, raw, NIL, f"request [{i}] of the array must be a map, got {first_type(raw[start:start + 9])}")
+                stop = skip_any(p, end, start)
+            if stop < 0:
+                raise ProtocolError("bad_request", f"payload is not valid MessagePack from byte {start}: "
+                                    f"{_fault_name(stop)}", NIL)
             peek.body = view[start:stop]
             out.append(peek)
             pos = stop
@@ -614,18 +742,6 @@ def peek_array(raw) -> list:
     if maps == 0 and out:
         raise ProtocolError("bad_request", "payload must be a map (or an array of request maps), got list", NIL)
     return out
-
-
-cdef Py_ssize_t _skip_element(const uchar* p, Py_ssize_t start, Py_ssize_t end) except -1:
-    cdef Py_ssize_t at = skip(p, end, start, DEPTH)
-    if at < 0:
-        raise ProtocolError("bad_request", f"payload is not valid MessagePack from byte {start}: {_fault_name(at)}", NIL)
-    return at
-
-
-def is_array(raw) -> bool:
-    """Whether a payload frame starts with an array header (several requests, contract 1.2)."""
-    return len(raw) > 0 and _is_array(raw[0])
 
 
 # --- route keys --------------------------------------------------------------------------
@@ -1131,7 +1247,7 @@ cdef class JobTable:
     """Every request held, from receipt to reply: the jobs by id, their payload bytes, how many each
     client connection holds (`--max-pending-bytes`, `--max-client-pending`) and the deadline heap.
     No socket, no clock. The loop admits a job with `admit` and releases it when it is answered or
-    dropped; where the job is (queued, at a worker) is the dispatcher's (broker/dispatch.py)."""
+    dropped; where the job is (queued, at a worker) is the dispatcher's (docs/routing.md)."""
 
     cdef public dict jobs
     cdef public long long held_bytes
@@ -1151,11 +1267,6 @@ cdef class JobTable:
 
     def __bool__(self) -> bool:
         return len(self.jobs) > 0
-
-    def new_id(self) -> int:
-        cdef long long job_id = self._next_id
-        self._next_id += 1
-        return job_id
 
     cpdef Job admit(self, envelope, Peek peek, route, double now, double timeout_s, model, bint catalog):
         """A new job for an admitted request, held from now on (one call per request)."""
@@ -1280,11 +1391,11 @@ def check_results(list body) -> tuple:
     return header, blob
 
 
-# --- the router's policy for one pick (broker/router.py holds its design) ------------------
+# --- the router's policy for one pick (docs/routing.md, "The router", holds its design) ---
 
 cdef class Slots:
-    """What one worker holds: its load, as the router reads it (router.WorkerLoad). The dispatcher
-    (broker/dispatch.py) owns it; compiled so the router reads the counts as C fields."""
+    """What one worker holds: its load, as the router reads it. The dispatcher owns it; compiled
+    so the router reads the counts as C fields."""
 
     cdef public int capacity
     cdef public dict jobs
@@ -1307,30 +1418,24 @@ cdef class Slots:
         return len(self.jobs)
 
 
-cdef inline Py_ssize_t _load_held(object load):
-    if type(load) is Slots:
-        return len((<Slots>load).jobs)
-    return load.held
+cdef inline Py_ssize_t _load_held(Slots load):
+    return len(load.jobs)
 
 
-cdef inline bint _load_free(object load):
+cdef inline bint _load_free(Slots load):
     """Room for one more job: under capacity and not blocked."""
-    cdef Slots s
-    if type(load) is Slots:
-        s = <Slots>load
-        return len(s.jobs) < s.capacity and not s.blocked
-    return load.held < load.capacity and not load.blocked
+    return len(load.jobs) < load.capacity and not load.blocked
 
 
 cdef class RouterWorker:
     """One incarnation of a worker: a re-added id gets a new record, so old index entries stay dead."""
 
     cdef public bytes wid
-    cdef public object load
+    cdef public Slots load
     cdef public u64 salt       # this id's rendezvous salt, hashed once
     cdef public bint alive
 
-    def __init__(self, bytes wid, load, u64 salt, bint alive=True):
+    def __init__(self, bytes wid, Slots load, u64 salt, bint alive=True):
         self.wid = wid
         self.load = load
         self.salt = salt
@@ -1357,7 +1462,7 @@ def mix(u64 x) -> int:
 
 
 cdef class Router:
-    """Prefix affinity with rendezvous fallback, under a bounded-load rule (broker/router.py)."""
+    """Prefix affinity with rendezvous fallback, under a bounded-load rule (docs/routing.md)."""
 
     cdef public double balance_factor
     cdef public int balance_margin
@@ -1382,7 +1487,7 @@ cdef class Router:
 
     # --- worker events
 
-    def add_worker(self, bytes wid, load) -> None:
+    def add_worker(self, bytes wid, Slots load) -> None:
         """A worker is ready; `load` is where its owner counts what it holds. A known id takes the new load."""
         if load.capacity < 1:
             raise ValueError(f"worker capacity must be >= 1, got {load.capacity}")
@@ -1401,7 +1506,7 @@ cdef class Router:
     # --- the policy
 
     def pick(self, key, *, bint overflow=True, allowed=None):
-        """A worker with a free slot for this request; None when all are full (broker/router.py)."""
+        """A worker with a free slot for this request; None when all are full (docs/routing.md)."""
         cdef list free = []
         cdef RouterWorker w, chosen = None
         cdef Py_ssize_t best = -1, h
@@ -1450,7 +1555,7 @@ cdef class Router:
         return a if a > b else b
 
     def stats(self) -> dict:
-        """Counters since start and gauges, for metrics (broker/router.py)."""
+        """Counters since start and gauges, for metrics (broker/metrics.py)."""
         return {"picks": self.n_picks, "affinity_hits": self.n_hits, "rendezvous": self.n_rendezvous,
                 "spills": self.n_spills, "overflows": self.n_overflows, "unkeyed": self.n_unkeyed, "full": self.n_full,
                 "workers": len(self._workers), "in_flight": self._held_sum(), "index_entries": len(self._index)}
@@ -1532,7 +1637,7 @@ cdef class Router:
         return best
 
 
-# --- the dispatcher (broker/dispatch.py holds its design) ----------------------------------
+# --- the dispatcher (docs/routing.md, "The dispatcher", holds its design) -------------------
 
 def _unplaced(model, *, catalog):
     """With no placement (a dispatcher on its own): a catalog model has no holders, any other goes anywhere."""
@@ -1540,7 +1645,7 @@ def _unplaced(model, *, catalog):
 
 
 cdef class Dispatcher:
-    """Which queued job goes to which worker, and when (broker/dispatch.py)."""
+    """Which queued job goes to which worker, and when (docs/routing.md)."""
 
     cdef public Router router
     cdef public bint long_off_loop
@@ -1963,15 +2068,15 @@ cdef class Intake:
 
     def take(self, envelope, peer, item, double now) -> int:
         """One client message (broker/frontend.py `Frontend.receive`): `item` a Peek, an array's
-        Peeks and ProtocolErrors (`peek_array`), or None for a message the frontend answered
-        itself. Returns the payload bytes of its requests (the loop bounds a turn by them)."""
+        Peeks (`peek_array`: the refused ones go to `other`), or None for a message the frontend
+        answered itself. Returns the payload bytes of its requests (the loop bounds a turn by them)."""
         cdef Py_ssize_t total = 0
         if type(item) is list:
-            for x in <list>item:  # the array's unreadable requests are answered first, as they were read
-                if type(x) is not Peek:
+            for x in <list>item:  # the array's refused requests are answered first, as they were read
+                if (<Peek>x).code is not None:
                     self.other(envelope, peer, x, now)
             for x in <list>item:
-                if type(x) is Peek:
+                if (<Peek>x).code is None:
                     total += self._one(envelope, peer, x, now)
             return total
         return self._one(envelope, peer, item, now)
@@ -1979,7 +2084,7 @@ cdef class Intake:
     cdef Py_ssize_t _one(self, envelope, peer, item, double now) except -1:
         cdef Peek peek
         cdef Py_ssize_t size
-        if type(item) is not Peek:
+        if item is None:
             self.other(envelope, peer, item, now)
             return 0
         peek = <Peek>item

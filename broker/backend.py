@@ -1,7 +1,7 @@
 """The worker side of the broker: who is connected, when each was last heard, and the frames.
 
 Heartbeats the Paranoid Pirate way: any frame from a worker is proof of life, and a worker silent
-for interval x liveness is gone. What each worker holds is the dispatcher's (broker/dispatch.py);
+for interval x liveness is gone. What each worker holds is the dispatcher's (docs/routing.md);
 this module knows connections, not jobs.
 
 Every frame from a worker is untrusted: a malformed READY, HEARTBEAT, RESULTS or BYE is dropped

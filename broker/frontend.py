@@ -86,10 +86,10 @@ class Frontend:
         self.arrays: set[bytes] = set()  # connections that sent an array and still hold requests
         self.outbox: dict[Envelope, list[bytes | memoryview]] = {}  # their replies of this turn, sent by flush()
 
-    def receive(self) -> "tuple[Envelope, Peer | None, Peek | list[Peek | ProtocolError] | None] | None":
+    def receive(self) -> "tuple[Envelope, Peer | None, Peek | list[Peek] | None] | None":
         """One message: (its envelope, who sent it when asked, what it holds): a Peek, or an
-        array's Peeks and the ProtocolErrors that answer its unreadable requests (the loop
-        answers those first); None when the frontend answered the message here with an error.
+        array's Peeks, those the broker refuses with their `code` set (the loop answers those
+        first); None when the frontend answered the message here with an error.
         An empty array is nothing, and gets no reply. The loop hands it to its compiled intake
         (broker/_core.pyx `Intake.take`) as it is: no object per request is built here.
 
@@ -137,7 +137,7 @@ class Frontend:
             self.fail(envelope, NIL, e)
             return envelope, peer, None
 
-    def _array(self, envelope: Envelope, peeks: "list[Peek | ProtocolError]") -> "list[Peek | ProtocolError]":
+    def _array(self, envelope: Envelope, peeks: list[Peek]) -> list[Peek]:
         if peeks:
             self.arrays.add(envelope.identity)  # before any reply: this connection's replies are coalesced
         return peeks
@@ -157,6 +157,11 @@ class Frontend:
         if self.outbox:  # the loop over the replies is compiled (broker/_core.pyx `send_replies`)
             send_replies(self.sock, self.outbox, self.arrays, holding, _raw_send, _PACKER.pack_array_header,
                          REPLY_FRAME_BYTES, _NOBLOCK_MORE, _NOBLOCK, _COPY_THRESHOLD)
+
+    def refuse(self, envelope: Envelope, peek: Peek) -> None:
+        """Answer a request the core refused (an array's element: its `code` and `message` set,
+        no exception built for it)."""
+        self.reply(envelope, error_reply(peek.raw_id, peek.code, peek.message))
 
     def fail(self, envelope: Envelope, raw_id: bytes, error: ProtocolError) -> None:
         """Answer `error`, the broker's one way to build an error reply: it echoes the id the error

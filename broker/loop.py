@@ -25,16 +25,13 @@ from tokenbroker import __version__
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import ADMIN_OPS, NIL, W_BYE, Envelope, ok_reply, req, unpack
 
-from .affinity import route_key
 from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
 from .catalog import FAILED, LOADING, WORKER, Catalog, Entry, add_model_spec, served_backends
 from .config import BrokerConfig
-from .dispatch import Dispatcher, Job
-from .jobs import Intake, JobTable
+from ._core import Dispatcher, Intake, Job, JobTable, Router
 from .frontend import Frontend, Peek, Peer
 from .metrics import LATENCY_BUCKETS, PoolMetrics
 from .placement import Load, Placement
-from .router import Router
 from .snapshot import ModelView, PoolSnapshot, WorkerView
 from .supervisor import Supervisor
 
@@ -230,13 +227,13 @@ class Broker:
                 return
             budget -= take(*got, now)
 
-    def _on_request(self, envelope: Envelope, peer: Peer | None, peek: Peek | ProtocolError | None, now: float) -> None:
-        """A request the intake leaves to Python: None (answered by the frontend already), an
-        unreadable element of an array, ping, a catalog op, a refusal, a model it has not seen
-        resolved (then it will have), a failed one."""
-        if peek is None or isinstance(peek, ProtocolError):
+    def _on_request(self, envelope: Envelope, peer: Peer | None, peek: Peek | None, now: float) -> None:
+        """A request the intake leaves to Python: None (answered by the frontend already), a
+        refused element of an array (its `code` set), ping, a catalog op, a refusal, a model it
+        has not seen resolved (then it will have), a failed one."""
+        if peek is None or peek.code is not None:
             if peek is not None:
-                self.frontend.fail(envelope, NIL, peek)
+                self.frontend.refuse(envelope, peek)
             self.metrics.request_done("invalid", "bad_request", 0.0)
             return
         if peek.op == "ping":
@@ -475,7 +472,8 @@ class Broker:
             else:
                 self.catalog.adopt(model, info, fingerprint)
                 own.append(model)
-        self.placement.add_worker(w.wid, ours, now, own=own, names=w.ready.names, globs=w.ready.maps)
+        self.placement.add_worker(w.wid, ours, now, own=own, names=w.ready.names, globs=w.ready.maps,
+                                  engine_limit=w.ready.engine_limit)
         self.dispatcher.add_worker(w.wid, w.ready.capacity)
         self.metrics.worker_joined(w.name)
         self.replan = True
@@ -549,6 +547,7 @@ class Broker:
                                           demand=self.dispatcher.demand, full=self.dispatcher.full,
                                           busy=self.dispatcher.holds_model,
                                           fingerprints={e.name: e.fingerprint for e in entries if e.fingerprint},
+                                          tokenizers={e.name: e.info["tokenizer"] for e in entries if e.info.get("tokenizer")},
                                           jobs=self.dispatcher.held):
             if isinstance(action, Load):
                 spec = self.catalog.entries[action.model].spec

@@ -136,6 +136,7 @@ class PoolCollector:
         yield from self._metrics.request_families()
         yield from self._metrics.model_families(snapshot.models)
         yield _engine_family(snapshot.workers)
+        yield from _fast_engine_families(snapshot.workers)
 
 
 def _engine_family(workers: Iterable[WorkerView]) -> Metric:
@@ -147,6 +148,25 @@ def _engine_family(workers: Iterable[WorkerView]) -> Metric:
         for backend, n in sorted(counts.items()):
             engines.add_metric([model, backend], n)
     return engines
+
+
+def _fast_engine_families(workers: Iterable[WorkerView]) -> Iterator[Metric]:
+    """Each worker's fast engines (heartbeat `engines`, workers/engine.py EnginePlan): how many one
+    thread serves before fastokens' per-thread state thrashes (measured at its start; 0 before its
+    first fast engine), how many it serves, and the threads of their own that those past it encode on."""
+    limit = GaugeMetricFamily("tokenbroker_worker_engine_limit", "Fast engines one thread of a worker serves at full "
+                              "speed, as measured at its start (0: no fast engine yet)", labels=["worker"])
+    fast = GaugeMetricFamily("tokenbroker_worker_fast_engines", "Distinct tokenizers a worker serves with its fast "
+                             "engine (models over one tokenizer share one)", labels=["worker"])
+    threads = GaugeMetricFamily("tokenbroker_worker_engine_threads", "Threads of their own that a worker's fast "
+                                "engines beyond its limit encode on", labels=["worker"])
+    for w in workers:
+        engines = w.report.get("engines")
+        if isinstance(engines, Mapping):
+            limit.add_metric([w.name], _int(engines.get("limit")))
+            fast.add_metric([w.name], _int(engines.get("fast")))
+            threads.add_metric([w.name], _int(engines.get("threads")))
+    yield from (limit, fast, threads)
 
 
 def _layer_sizes(workers: Iterable[WorkerView]) -> dict[str, dict[str, int]]:

@@ -88,6 +88,7 @@ class Holding:
     refused: set[str] = field(default_factory=set)  # models it must not be asked to load (a fingerprint mismatch)
     draining: bool = False
     busy_until: float = 0.0  # it could not try a load: not asked again before this
+    engine_limit: int = 0  # distinct fast engines its serving thread holds (READY; 0: not said, no bound)
 
 
 class Placement:
@@ -99,6 +100,7 @@ class Placement:
         self.min_residency = min_residency
         self._heat: dict[str, tuple[float, float]] = {}  # model -> (decayed request count, as of when)
         self._fingerprints: dict[str, str] = {}  # model -> its fingerprint, once a worker loaded it
+        self._tokenizers: dict[str, str] = {}  # model -> its tokenizer's fingerprint (one engine per tokenizer)
         self.workers: dict[bytes, Holding] = {}
         self._held_by: dict[str, frozenset[bytes]] = {}  # model -> the workers holding it (not draining)
         self._holders: dict[str, frozenset[bytes]] = {}  # the same, less the loading ones while others are not
@@ -109,10 +111,11 @@ class Placement:
     # --- workers -------------------------------------------------------------------------
 
     def add_worker(self, wid: bytes, models: Iterable[str], now: float, *, own: Iterable[str] = (),
-                   names: Iterable[str] = (), globs: Iterable[str] = ()) -> None:
+                   names: Iterable[str] = (), globs: Iterable[str] = (), engine_limit: int = 0) -> None:
         """A worker joined holding `models` (catalog names) and `own` models of its own, answering
-        to the model `names` and `globs` of its READY."""
-        holding = Holding(held=dict.fromkeys(models, now), pinned=set(own))
+        to the model `names` and `globs` of its READY, whose serving thread holds `engine_limit`
+        distinct fast engines (0: unbounded)."""
+        holding = Holding(held=dict.fromkeys(models, now), pinned=set(own), engine_limit=engine_limit)
         holding.held.update(dict.fromkeys(own, now))
         self.workers[wid] = holding
         for model in holding.held:
@@ -221,17 +224,22 @@ class Placement:
     def plan(self, now: float, *, models: list[str], new: set[str], demand: dict[str, int],
              full: Callable[[bytes], bool], busy: Callable[[bytes, str], bool],
              fingerprints: dict[str, str] | None = None,
-             jobs: Callable[[bytes], int] = lambda wid: 0) -> list[Load | Unload]:
+             jobs: Callable[[bytes], int] = lambda wid: 0,
+             tokenizers: dict[str, str] | None = None) -> list[Load | Unload]:
         """What to load and unload now.
 
         `models`: the placeable catalog models, in catalog order; `new`: those never loaded yet;
         `demand`: queued requests per model; `full(wid)`: the worker has no free job slot;
         `busy(wid, model)`: the worker holds a job of that model; `fingerprints`: the known ones;
-        `jobs(wid)`: how many jobs the worker holds.
-        Models with the same fingerprint are one tokenizer: a worker holding one serves another
-        by sharing it (a slot counts tokenizers, not names), and lets them go together.
+        `jobs(wid)`: how many jobs the worker holds; `tokenizers`: the known tokenizer fingerprints.
+        Models with the same fingerprint are one model: a worker holding one serves another by
+        sharing it. Models with the same tokenizer fingerprint (other templates over one tokenizer)
+        share one engine: a slot counts tokenizers, not names, and their models go together. A
+        worker gets at most min(cap, its engine limit) tokenizers: never more fast engines than its
+        serving thread's state holds (workers/engine.py).
         """
         self._fingerprints = fingerprints or {}
+        self._tokenizers = tokenizers or {}
         if self.cap <= 0:
             return self._everywhere(now, models)
         actions: list[Load | Unload] = []
@@ -297,8 +305,19 @@ class Placement:
         return actions
 
     def _key(self, model: str) -> str:
-        """What a slot holds: the model's tokenizer (its fingerprint), or the model itself while unknown."""
-        return self._fingerprints.get(model) or "\0" + model
+        """What a slot holds: the model's tokenizer (its tokenizer fingerprint, else its fingerprint),
+        or the model itself while unknown."""
+        return self._tokenizers.get(model) or self._fingerprints.get(model) or "\0" + model
+
+    def room(self, holding: Holding) -> int:
+        """The tokenizers a worker may hold under a cap: the cap, or fewer when its serving thread
+        holds fewer fast engines.
+
+        >>> p = Placement(6)
+        >>> p.room(Holding(engine_limit=4)), p.room(Holding()), Placement(2).room(Holding(engine_limit=4))
+        (4, 6, 2)
+        """
+        return min(self.cap, holding.engine_limit) if holding.engine_limit > 0 else self.cap
 
     def _twin(self, holding: Holding, model: str) -> str | None:
         """A model the worker holds with the same (known) fingerprint as `model`, if any."""
@@ -306,6 +325,11 @@ class Placement:
         if not fingerprint:
             return None
         return next((m for m in holding.held if self._fingerprints.get(m) == fingerprint), None)
+
+    def _holds_tokenizer(self, holding: Holding, model: str) -> bool:
+        """The worker holds or loads a model over `model`'s (known) tokenizer."""
+        tokenizer = self._tokenizers.get(model)
+        return bool(tokenizer) and any(self._tokenizers.get(m) == tokenizer for m in (*holding.held, *holding.loading))
 
     def slots(self, holding: Holding) -> int:
         """The tokenizers a worker holds or is loading (names sharing one count once)."""
@@ -323,7 +347,10 @@ class Placement:
         if twins:  # no load, no slot: the worker serves it with the tokenizer it has
             _, wid, twin = min(twins)
             return [self._start(wid, model, now, twin)]
-        roomy = [(self.slots(h), len(h.loading), wid) for wid, h in candidates if self.slots(h) < self.cap]
+        engine = [(self.slots(h), wid) for wid, h in candidates if self._holds_tokenizer(h, model)]
+        if engine:  # its tokenizer's engine is there: a load, and no slot (the worker shares the engine)
+            return [self._start(min(engine)[1], model, now)]
+        roomy = [(self.slots(h), len(h.loading), wid) for wid, h in candidates if self.slots(h) < self.room(h)]
         if roomy:
             return [self._start(min(roomy)[2], model, now)]
         victims = []

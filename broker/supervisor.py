@@ -39,6 +39,7 @@ from tokenbroker.common.process import (
     ZYGOTE_FORK,
     ZYGOTE_FORKED,
     ZYGOTE_LOADED,
+    signal_process,
 )
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class Spawned:
         return self.proc.poll()
 
     def signal(self, sig: int) -> None:
-        _signal(self.proc.pid, sig)
+        signal_process(self.proc.pid, sig)
 
 
 @dataclass(eq=False)
@@ -80,7 +81,7 @@ class Forked:
 
     def signal(self, sig: int) -> None:
         if self.pid and self.returncode is None:
-            _signal(self.pid, sig)
+            signal_process(self.pid, sig)
 
 
 class Template:
@@ -153,7 +154,7 @@ class Template:
         workers it forked (their memory lineage is gone, and they are nobody's to reap)."""
         for child in list(self.forked.values()):
             if child.pid is not None:
-                _signal(child.pid, signal.SIGKILL)
+                signal_process(child.pid, signal.SIGKILL)
                 child.note = f"its template process (pid {self.proc.pid}) died with status {code}"
                 self._left(child, -signal.SIGKILL)
             else:
@@ -364,10 +365,3 @@ class Supervisor:
             self.template.wait(max(0.5, deadline - time.monotonic()))
             self.template = None
         self.children.clear()
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass

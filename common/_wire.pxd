@@ -215,6 +215,32 @@ cdef inline Py_ssize_t skip(const unsigned char* p, Py_ssize_t end, Py_ssize_t p
             return pos
 
 
+cdef inline Py_ssize_t skip_any(const unsigned char* p, Py_ssize_t end, Py_ssize_t pos) noexcept nogil:
+    """The position just past the value at `pos` however deep it nests, or a Fault (never W_TOO_DEEP).
+
+    Finding where a value ends needs only how many values are still to read, not at which depth:
+    one counter, so a value too deep for `skip`'s bound can still be stepped over (an array element
+    refused alone, the fields after a refused one) in one pass and O(1) memory. The counter cannot
+    overflow: read_head refuses a container claiming more items than bytes remain, so it stays
+    below the frame's length squared.
+    """
+    cdef Py_ssize_t left = 1
+    cdef int rc
+    cdef Head h
+    while left > 0:
+        rc = read_head(p, end, &pos, &h)
+        if rc != W_OK:
+            return rc
+        left -= 1
+        if h.kind == K_STR or h.kind == K_BIN or h.kind == K_EXT:
+            pos += h.length
+        elif h.kind == K_ARRAY:
+            left += h.length
+        elif h.kind == K_MAP:
+            left += 2 * h.length
+    return pos
+
+
 cdef inline bint utf8_valid(const unsigned char* s, Py_ssize_t n) noexcept nogil:
     """Whether n bytes are strict UTF-8 as Python decodes it (no overlongs, no surrogates, nothing
     past U+10FFFF): a str value's bytes must be, and a reader that does not build the str checks

@@ -171,6 +171,13 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def _pair(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name or not value:

@@ -3,6 +3,7 @@ this process that both sides report (the broker in its exporter, workers in hear
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -16,6 +17,10 @@ EXIT_BOOT_ERROR = 3
 # Worker process exit code when it left on purpose because its private memory passed its ceiling
 # (--max-memory; workers/main.py): not a crash, replaced at once by a fresh one.
 EXIT_RECYCLED = 4
+
+# Worker process exit code when it gave up getting through to its broker (--give-up-after;
+# workers/join.py): a remote worker's way to tell its own supervisor (systemd, Kubernetes).
+EXIT_UNREACHABLE = 5
 
 # One worker uses one core: the tokenizers library's thread pool must not fan out. Read when
 # tokenizers is first imported, so set before that: by the supervisor in a local worker's
@@ -100,4 +105,24 @@ def drain_pipe(fd: int) -> None:
         while os.read(fd, 4096):
             pass
     except BlockingIOError:
+        pass
+
+
+def release_memory() -> None:
+    """Give the heap a model left behind back to the system (glibc keeps freed arenas otherwise: a
+    DeepSeek tokenizer let go left ~50 MiB resident until trimmed). Elsewhere, a no-op. Workers call
+    it when they let a tokenizer go (workers/loader.py, workers/registry.py) and before the
+    template forks (workers/zygote.py)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def signal_process(pid: int, sig: int) -> None:
+    """Send `sig` to `pid`, which may have left already: a child that exited between the caller's
+    look and this call is no error (the supervisor's workers, the template's forks)."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
         pass

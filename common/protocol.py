@@ -324,6 +324,8 @@ def parse_request(data: bytes) -> Request:
     for k in payload:
         if type(k) is not str:
             raise ProtocolError("bad_request", "payload map keys must be str")
+    if len(payload) != map_length(data):  # the decoder kept one value per key: a key came twice (1.4)
+        raise repeated_key(first_repeated_key(data))
     rid = payload.get("id")
     if isinstance(rid, (list, dict)):
         raise ProtocolError("bad_request", f"field 'id' must be nil, bool, int, float, str or bin, got {type_name(rid)}")
@@ -331,6 +333,50 @@ def parse_request(data: bytes) -> Request:
     return Request(raw_id=_echo_id(data, rid), op=common.op, model=common.model,
                    deadline_ms=common.deadline_ms, affinity=common.affinity, tokens_format=common.tokens_format,
                    payload=payload)
+
+
+def map_length(data: bytes) -> int:
+    """The entry count in the header of the MessagePack map `data` starts with (-1 for no map
+    header): what a decoded dict holds fewer entries than when a key came twice.
+
+    >>> map_length(pack({"op": "ping", "id": 1})), map_length(b"\\xde\\x01\\x00"), map_length(b"\\x90")
+    (2, 256, -1)
+    """
+    head = data[0] if data else 0
+    if 0x80 <= head <= 0x8F:
+        return head & 0x0F
+    if head in (0xDE, 0xDF):
+        return int.from_bytes(data[1:3 if head == 0xDE else 5], "big")
+    return -1
+
+
+def first_repeated_key(data: bytes) -> str:
+    """The first key the map `data` holds a second time, read key by key (values skipped in C);
+    only called once a decode has shown a repeat (`map_length`)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1))
+    unpacker.feed(data)
+    seen: set[str] = set()
+    for _ in range(unpacker.read_map_header()):
+        key = unpacker.unpack()
+        if key in seen:
+            return key
+        seen.add(key)
+        unpacker.skip()
+    raise ValueError("the map holds no key twice")
+
+
+MAX_KEY_SHOWN = 64  # a repeated key named in a bad_request is cut to this many characters (it is client data)
+
+
+def repeated_key(key: str) -> ProtocolError:
+    """The bad_request of a request map that holds `key` twice (1.4, "Bounds on a request"), named
+    the same wherever it is found.
+
+    >>> repeated_key("text").message
+    "the request map holds the key 'text' more than once"
+    """
+    shown = key if len(key) <= MAX_KEY_SHOWN else key[:MAX_KEY_SHOWN] + f"...({len(key)} characters)"
+    return ProtocolError("bad_request", f"the request map holds the key {shown!r} more than once")
 
 
 _ID_PACKER = msgpack.Packer(use_bin_type=True)  # packb makes a Packer per call (~1 us); pack() holds the GIL throughout
@@ -398,6 +444,7 @@ class Ready:
     names: list[str] = field(default_factory=list)  # every model name and alias it answers to (routing)
     maps: list[str] = field(default_factory=list)  # its --tokenizer-map globs (only `*`, anchored)
     infos: dict[str, dict] = field(default_factory=dict)  # model name -> ModelInfo.to_wire() of each loaded model
+    engine_limit: int = 0  # distinct fast engines one serving thread holds (measured; 0: no fast engine)
 
     def to_wire(self) -> bytes:
         return pack(self.__dict__)
@@ -431,6 +478,8 @@ class Ready:
             names=_names(d, "names"),
             maps=_names(d, "maps"),
             infos=_infos(d.get("infos")),
+            engine_limit=field("engine_limit", int, lambda v: 0 <= v <= 4096, " in 0..4096")
+            if d.get("engine_limit") is not None else 0,
         )
 
 
@@ -495,6 +544,7 @@ class ModelInfo:
     added_tokens: int = 0
     backend: str = ""  # the library that encodes it when this was sent: fastokens, tokenizers, tiktoken
     chat_renderer: str = ""  # the engine that renders its chat template: minijinja, jinja2 ("" without one)
+    tokenizer: str = ""  # its tokenizer's fingerprint: models that share it share one engine (placement counts these)
 
     def to_wire(self) -> dict:
         return dict(self.__dict__)
@@ -530,7 +580,8 @@ class ModelInfo:
                    eos_token=_checked_str(d, "eos_token", "model info", optional=True),
                    model_max_length=max_length, added_tokens=added,
                    backend=_checked_str(d, "backend", "model info", optional=True, limit=64) or "",
-                   chat_renderer=_checked_str(d, "chat_renderer", "model info", optional=True, limit=256) or "")
+                   chat_renderer=_checked_str(d, "chat_renderer", "model info", optional=True, limit=256) or "",
+                   tokenizer=_checked_str(d, "tokenizer", "model info", optional=True, limit=128) or "")
 
 
 @dataclass(frozen=True)

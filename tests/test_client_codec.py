@@ -1,4 +1,4 @@
-"""The client's compiled codec (src/tokenbroker/_codec.pyx) against msgpack, the contract's
+"""The client's compiled codec (src/tokenbroker/_codec.py and the cores it names) against msgpack, the contract's
 reference codec: the same request bytes for every shape the client sends, the same values for
 every reply shape, results read straight from reply bytes equal to the ones built from msgpack's
 map, and hostile frames refused without a crash."""
@@ -276,11 +276,70 @@ def test_chat_replies_read_into_chat_tokens(reply: dict) -> None:
     assert _settled(_codec.KIND_CHAT, reply) == res.chat_tokens(reply, "array")
 
 
+def _strict_pairs(pairs: list) -> dict:
+    """msgpack's map, refused where the codec refuses one: a repeated key (msgpack keeps the last)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("repeated key")
+    return out
+
+
+def _verdict(wire: bytes) -> object:
+    """msgpack's reading of a reply frame, or the exception it (or a repeated key) raises."""
+    try:
+        return msgpack.unpackb(wire, raw=False, strict_map_key=False, object_pairs_hook=_strict_pairs)
+    except Exception as e:  # noqa: BLE001 - every refusal counts alike here
+        return e
+
+
+def _overloaded(reply: object) -> bool:
+    error = reply.get("error") if type(reply) is dict else None
+    return type(reply) is dict and reply.get("ok") is not True and type(error) is dict and error.get("code") == "overloaded"
+
+
+def _expected(elements: list, pending: set[int]) -> tuple[set[int], int]:
+    """What settling a read frame must do: the pending calls it settles (the first map naming each
+    by an int id, unless `overloaded`), and how many elements are handed back in `odd`."""
+    settled: set[int] = set()
+    odd = 0
+    for e in elements:
+        rid = e.get("id") if type(e) is dict else None
+        if type(rid) is int and rid in pending and rid not in settled and not _overloaded(e):
+            settled.add(rid)
+        else:
+            odd += 1
+    return settled, odd
+
+
+def _check_settle(wire: bytes, loop: asyncio.AbstractEventLoop) -> bool:
+    """`settle` against msgpack's verdict: a frame msgpack refuses (or one with a repeated key)
+    raises ValueError with every call still pending and nothing handed back; a frame msgpack reads
+    settles what `_expected` says. True if the frame was read."""
+    calls = {i: _codec.Call(i, b"", 0, (_codec.KIND_TOKENS, _codec.KIND_TEXT, _codec.KIND_RAW)[i % 3], "op",
+                            loop.create_future(), 0.0, 1.0) for i in range(1, 8)}
+    pending = dict(calls)
+    odd: list = []
+    ref = _verdict(wire)
+    if isinstance(ref, Exception):
+        with pytest.raises(ValueError):
+            _codec.settle(wire, calls, odd)
+        assert calls == pending and not odd, wire
+        assert not any(c.future.done() for c in pending.values()), wire
+        return False
+    settled = _codec.settle(wire, calls, odd)
+    want, want_odd = _expected(ref if type(ref) is list else [ref], set(pending))
+    assert settled == len(want) and set(pending) - set(calls) == want, (wire, settled, want)
+    assert {rid for rid, c in pending.items() if c.future.done()} == want and len(odd) == want_odd, wire
+    assert _codec.unpack(wire) == ref
+    return True
+
+
 def test_hostile_frames_never_crash_the_reader() -> None:
     """Random bytes and every truncation and one-byte change of real reply frames: each is read
-    or refused with ValueError, never a crash, and settles nothing it cannot read."""
+    or refused with ValueError, never a crash, and settles nothing it cannot read (`_check_settle`)."""
     rng = random.Random(33)
-    frames = [ref_pack([t for t in TOKENS_REPLIES]), ref_pack(TOKENS_REPLIES[0]), ref_pack(REPLIES[2])]
+    frames = [ref_pack([t for t in TOKENS_REPLIES]), ref_pack(TOKENS_REPLIES[0]), ref_pack(REPLIES[2]),
+              ref_pack([{"id": i, "ok": True, "text": "é" * i, "worker": "w"} for i in range(1, 6)])]
     cases = [bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 64))) for _ in range(2000)]
     for frame in frames:
         cases += [frame[:i] for i in range(len(frame))]
@@ -289,16 +348,31 @@ def test_hostile_frames_never_crash_the_reader() -> None:
             cases.append(frame[:i] + bytes([rng.getrandbits(8)]) + frame[i + 1:])
     loop = asyncio.new_event_loop()
     try:
-        for wire in cases:
-            calls = {i: _codec.Call(i, b"", 0, _codec.KIND_TOKENS, "op", loop.create_future(), 0.0, 1.0)
-                     for i in range(1, 8)}
-            try:
-                _codec.settle(wire, calls, [])
-            except (ValueError, TypeError):
-                pass
-            try:
-                _codec.unpack(wire)
-            except Exception:
-                pass
+        read = sum(_check_settle(wire, loop) for wire in cases)
+    finally:
+        loop.close()
+    assert 100 < read < len(cases) - 1000  # both sides of the promise were exercised
+
+
+_GOOD = ref_pack({"id": 1, "ok": True, "text": "a", "worker": "w"})
+_ODD = ref_pack({"id": 99, "ok": True})
+
+
+@pytest.mark.parametrize("frame", [
+    # `id` twice: msgpack reads the last, the codec once settled call 1 with this overloaded error
+    b"\x84\xa2id\x01\xa2ok\xc2\xa5error\x81\xa4code\xaaoverloaded\xa2id\x02",
+    b"\x85\xa2id\x01\xa2ok\xc3\xa6tokens\xc4\x00\xa5count\x00\xa2id\x02",
+    b"\x92" + _GOOD + b"\x85\xa2id\x01\xa2ok\xc3\xa4text\xa1b\xa6worker\xa1w\xa4text\xa1c",  # a typed field twice
+    # a good reply, then a malformed element, then one for no pending call: once, the first was settled
+    b"\x93" + _GOOD + b"\x84\xa2id\x02\xa2ok\xc3\xa4text\xa2\xff\xfe\xa6worker\xa1w" + _ODD,  # bad UTF-8
+    b"\x93" + _GOOD + b"\x81\x91\x01\x02" + _ODD,  # a list as a map key
+    b"\x93" + _GOOD + b"\x82\xa2id\x02\xa1t\xd4\xff\x00" + _ODD,  # a 1-byte timestamp
+], ids=["id-twice-overloaded", "id-twice-tokens", "text-twice", "bad-utf8", "list-key", "timestamp-1-byte"])
+def test_frames_with_a_misread_element_settle_nothing(frame: bytes) -> None:
+    """The two misreads fuzzing found: each frame raises ValueError, no call settled, nothing in `odd`."""
+    loop = asyncio.new_event_loop()
+    try:
+        assert isinstance(_verdict(frame), Exception)
+        assert not _check_settle(frame, loop)
     finally:
         loop.close()

@@ -3,7 +3,7 @@ the same calls made one by one (per-item errors included), mixed models, cancell
 the coalescing limits, and a broker SIGKILLed under batch traffic with nothing lost or duplicated.
 
 Every broker is a real `tokenbroker serve` with real workers and tokenizers; every reply goes
-through the compiled codec (src/tokenbroker/_codec.pyx)."""
+through the compiled codec (src/tokenbroker/_codec.py: _packer, _calls, _frames, _replies)."""
 
 from __future__ import annotations
 

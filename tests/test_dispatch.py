@@ -7,11 +7,9 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbroker.broker.affinity import route_key
-from tokenbroker.broker.dispatch import Dispatcher, Job
+from tokenbroker.broker._core import Dispatcher, Job, Router, route_key
 from tokenbroker.broker.frontend import peek_request
 from tokenbroker.broker.placement import Placement
-from tokenbroker.broker.router import Router
 from tokenbroker.common.protocol import Envelope, pack
 
 W1, W2 = b"w1", b"w2"

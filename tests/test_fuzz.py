@@ -1,6 +1,6 @@
 """Every fuzz target in tests/fuzz/ (one file per target, `fuzz_<name>.py`: see tests/fuzz/_harness.py),
-run briefly in the suite: its seeds replayed in this process, then a bounded atheris run in a child
-process (a crash in compiled code ends that child, not the suite, and fails the test with libFuzzer's
+run briefly in the suite: its seeds replayed in this process under the harness's per-input bound of
+CPU and memory, then a bounded atheris run (the same bound) in a child process (a crash in compiled code ends that child, not the suite, and fails the test with libFuzzer's
 report). Long runs are by hand: .venv/bin/python tests/fuzz/fuzz_<name>.py -max_total_time=300
 """
 
@@ -35,7 +35,40 @@ def load(target: Path) -> ModuleType:
 
 
 def test_there_are_targets():
-    assert {"fuzz_wire", "fuzz_broker_peek"} <= {t.stem for t in TARGETS}
+    assert {"fuzz_wire", "fuzz_broker_peek", "fuzz_broker_bounds"} <= {t.stem for t in TARGETS}
+
+
+def test_nesting_depth_reads_ext_types_as_leaves_and_maps_by_their_type():
+    sys.path.insert(0, str(FUZZ))
+    try:
+        import msgpack
+        from _msgpack_values import nesting_depth, reference
+    finally:
+        sys.path.remove(str(FUZZ))
+    ext = msgpack.ExtType(1, b"x")
+    assert nesting_depth([ext, 1]) == 1  # an ExtType is a tuple, not a map's pair
+    assert nesting_depth([ext, [ext]]) == 2 and nesting_depth({"a": [ext, {"b": [1]}]}) == 4
+    verdict, _, value = reference(msgpack.packb([[(1, 2)], {"k": [3]}]), 0)
+    assert verdict == "ok" and nesting_depth(value) == 3  # [[[1, 2]], {"k": [3]}]: array, map, array
+
+
+def test_a_slow_input_is_a_finding():
+    sys.path.insert(0, str(FUZZ))
+    try:
+        from _harness import TIME_BOUND_S, Overrun, bounded
+    finally:
+        sys.path.remove(str(FUZZ))
+
+    def slow(data: bytes) -> None:
+        import time
+
+        start = time.thread_time()
+        while time.thread_time() - start < 2 * TIME_BOUND_S:
+            pass
+
+    with pytest.raises(Overrun, match="a slow path"):
+        bounded(slow)(b"short")
+    bounded(slow)(b"x" * 70_000)  # only inputs under the size bound are bounded
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.stem)
@@ -50,12 +83,19 @@ def test_target_follows_the_harness(target: Path):
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.stem)
 def test_seeds_pass(target: Path):
     module = load(target)
+    sys.path.insert(0, str(FUZZ))
+    try:
+        from _harness import bounded, warm
+    finally:
+        sys.path.remove(str(FUZZ))
     seeds = module.seeds()
     assert seeds
+    warm(module.fuzz_one, seeds)
+    one = bounded(module.fuzz_one)
     for seed in seeds:
-        module.fuzz_one(seed)
+        one(seed)
         for cut in (0, 1, len(seed) // 2):  # shorter inputs decode too (the choices run out as zeros)
-            module.fuzz_one(seed[:cut])
+            one(seed[:cut])
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.stem)

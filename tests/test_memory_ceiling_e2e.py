@@ -10,10 +10,13 @@ recycle counter, the old process gone).
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+from pathlib import Path
 
-from tokenbroker.common.process import memory_figures
+from tokenbroker.common.process import EXIT_RECYCLED, memory_figures
 
-from helpers import Conn, deepseek_tokenizer, free_port, sample, scrape, start_broker, wait_until
+from helpers import BERT_DIR, Conn, deepseek_tokenizer, free_port, sample, scrape, start_broker, wait_until
 
 MiB = 1 << 20
 CEILING = 36 * MiB  # a forked DeepSeek worker starts at ~5 MiB private, ~29 MiB after 200 of these, then +6 MiB per 200
@@ -86,6 +89,28 @@ def test_a_worker_past_its_memory_ceiling_is_replaced_and_every_request_is_answe
         samples = scrape(broker.metrics)
         assert sample(samples, "tokenbroker_worker_recycles_total") >= 1
         assert sample(samples, "tokenbroker_worker_restarts_total") == 0  # a recycle is not a crash
+    finally:
+        conn.close()
+        broker.stop()
+
+
+def test_a_remote_worker_past_its_own_max_memory_says_bye_and_exits_recycled(tmp_path: Path) -> None:
+    """`worker --max-memory` (contract 1.4): a remote worker, whose private memory is its whole heap,
+    joins, passes a 1 MiB ceiling at its first heartbeat, says BYE and exits with EXIT_RECYCLED; the
+    broker then counts no worker (a remote worker has no supervisor here to replace it)."""
+    port = free_port()
+    broker = start_broker("--model", f"bert={BERT_DIR}", "--backend", f"tcp://127.0.0.1:{port}", workers=0, timeout=60)
+    conn = Conn(broker.endpoint)
+    log = tmp_path / "worker.log"
+    try:
+        with open(log, "w") as err:
+            worker = subprocess.Popen([sys.executable, "-m", "tokenbroker", "worker", "--connect", f"tcp://127.0.0.1:{port}",
+                                       "--model", f"bert={BERT_DIR}", "--max-memory", str(MiB)],
+                                      stdout=subprocess.DEVNULL, stderr=err)
+        assert worker.wait(60) == EXIT_RECYCLED
+        said = log.read_text()
+        assert "past the ceiling of 1 MiB (--max-memory)" in said and "Traceback" not in said, said
+        wait_until(lambda: conn.call("ping")["workers"] == 0, what="the broker to let the worker go")
     finally:
         conn.close()
         broker.stop()

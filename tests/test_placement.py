@@ -210,3 +210,24 @@ def test_a_model_whose_load_was_a_wake_may_give_its_slot_up_sooner():
     p.loaded(W1, "b", 0.83)  # 0.8 s: a parse
     assert plan(p, 1.5, ["a", "b", "c"], demand={"c": 1}) == []  # min_residency bounds the wait: 1 s, not 8
     assert plan(p, 1.9, ["a", "b", "c"], demand={"c": 1}) == [Unload(W1, "b"), Load(W1, "c")]
+
+
+def test_a_worker_gets_no_more_tokenizers_than_its_serving_thread_holds_fast_engines():
+    """READY's engine_limit bounds a worker's distinct tokenizers below the cap: W1's thread holds two
+    fast engines, so under a cap of 4 its third tokenizer goes to W2; models over one tokenizer (the
+    same tokenizer fingerprint, other templates) count once and load where its engine is."""
+    p = Placement(4)
+    p.add_worker(W1, ["a", "b"], 0.0, engine_limit=2)
+    p.add_worker(W2, ["x", "y"], 0.0, engine_limit=8)
+    tokenizers = {"a": "ta", "b": "tb", "c": "tc", "b-chat": "tb", "x": "tx", "y": "ty"}
+    fingerprints = {m: "f-" + m for m in tokenizers}  # every model has a template of its own
+
+    def plan_with(now, demand):
+        return p.plan(now, models=list(tokenizers), new=set(), demand=demand, full=never, busy=never,
+                      fingerprints=fingerprints, tokenizers=tokenizers)
+
+    assert plan_with(1.0, {"c": 1}) == [Load(W2, "c")]  # W1 has room under the cap, not on its thread
+    p.loaded(W2, "c", 1.1)
+    assert plan_with(2.0, {"b-chat": 1}) == [Load(W1, "b-chat")]  # b's engine is on W1: no new slot
+    p.loaded(W1, "b-chat", 2.1)
+    assert p.slots(p.workers[W1]) == 2 and p.room(p.workers[W1]) == 2

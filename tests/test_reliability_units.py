@@ -108,10 +108,8 @@ def test_serve_help_says_workers_default_to_one_per_usable_core():
 
 def test_a_long_tokenize_holds_one_lane_of_its_worker_and_small_jobs_keep_flowing_to_it():
     """Caches off: workers encode a long text off their loop, so the broker still sends them small jobs."""
-    from tokenbroker.broker.affinity import route_key
-    from tokenbroker.broker.dispatch import Dispatcher, Job
+    from tokenbroker.broker._core import Dispatcher, Job, Router, route_key
     from tokenbroker.broker.frontend import peek_request
-    from tokenbroker.broker.router import Router
     from tokenbroker.common.protocol import Envelope, pack
 
     def job(i: int, size: int) -> Job:
@@ -142,10 +140,8 @@ def test_a_long_count_holds_one_lane_of_its_worker_in_every_cache_mode():
     """Workers count a long body off their loop whatever their caches (workers/count_lane.py): the
     broker sends them small jobs meanwhile, and one long count at a time, however many bytes the
     worker may hold (six 300 KB bodies held by their bytes filled it, and the small jobs waited)."""
-    from tokenbroker.broker.affinity import route_key
-    from tokenbroker.broker.dispatch import Dispatcher, Job
+    from tokenbroker.broker._core import Dispatcher, Job, Router, route_key
     from tokenbroker.broker.frontend import peek_request
-    from tokenbroker.broker.router import Router
     from tokenbroker.common.protocol import LANE_COUNT_BYTES, Envelope, pack
 
     def job(i: int, op: str, size: int) -> Job:

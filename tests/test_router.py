@@ -10,46 +10,41 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbroker.broker.affinity import RouteKey, route_key
-from tokenbroker.broker.router import Router
+from tokenbroker.broker._core import RouteKey, Router, Slots, route_key
 from tokenbroker.broker.frontend import peek_request
 from tokenbroker.common.protocol import pack
 
 WORKERS = [b"w0", b"w1", b"w2", b"w3"]
 
 
-class Load:
-    """A worker's load, as the dispatcher's slots keep it (router.WorkerLoad); here the test counts."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity, self.held, self.blocked = capacity, 0, False
-
-
 class Placing(Router):
     """The router with the dispatcher's part played by the test: a pick places the job there (its
-    worker's load counts it, and by default the index records the key, as an ok answer would);
+    worker's `Slots` hold it, and by default the index records the key, as an ok answer would);
     `finished` answers one job of a worker."""
+
+    placed = 0
 
     def add_worker(self, wid: bytes, capacity: int) -> None:  # type: ignore[override]
         known = self._workers.get(wid)
         if known is not None and capacity >= 1:
             known.load.capacity = capacity
             return
-        super().add_worker(wid, Load(capacity))
+        super().add_worker(wid, Slots(capacity))
 
     def pick(self, key: RouteKey | None, *, overflow: bool = True, record: bool = True,  # type: ignore[override]
              allowed: frozenset[bytes] | None = None) -> bytes | None:
         wid = super().pick(key, overflow=overflow, allowed=allowed)
         if wid is not None:
-            self._workers[wid].load.held += 1  # type: ignore[attr-defined]
+            self.placed += 1
+            self._workers[wid].load.jobs[self.placed] = None  # a job held there (only counted)
             if record and key is not None:
                 self.record(key, wid)
         return wid
 
     def finished(self, wid: bytes) -> None:
         w = self._workers.get(wid)
-        if w is not None and w.load.held > 0:
-            w.load.held -= 1  # type: ignore[attr-defined]
+        if w is not None and w.load.jobs:
+            w.load.jobs.popitem()
 
     def in_flight(self) -> dict[bytes, int]:
         return {wid: w.load.held for wid, w in self._workers.items()}

@@ -7,12 +7,15 @@ tokenbroker_auth_failures_total{socket} moving.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tokenbroker.common.process import EXIT_UNREACHABLE
 
 from helpers import BERT_DIR, BrokerProcess, Conn, free_port, scrape, start_broker, wait_until
 
@@ -57,11 +60,13 @@ def start_curve_broker(keys: dict[str, Path], backend_port: int) -> BrokerProces
                         workers=0, timeout=60)
 
 
-def start_worker(keys: dict[str, Path], port: int, name: str, key: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tokenbroker", "worker", "--connect", f"tcp://127.0.0.1:{port}", "--name", name,
-         "--model", f"bert={BERT_DIR}", "--curve-server-key", str(server_key(keys)), "--curve-secret-key", str(keys[key])],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start_worker(keys: dict[str, Path], port: int, name: str, key: str, *flags: str, log: Path | None = None) -> subprocess.Popen:
+    """A remote worker with key `key`; its log (standard error) goes to `log` when given."""
+    with open(log or os.devnull, "w") as err:  # the child holds its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "tokenbroker", "worker", "--connect", f"tcp://127.0.0.1:{port}", "--name", name,
+             "--model", f"bert={BERT_DIR}", "--curve-server-key", str(server_key(keys)), "--curve-secret-key", str(keys[key]),
+             *flags], stdout=subprocess.DEVNULL, stderr=err)
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
@@ -201,6 +206,33 @@ def test_an_unauthorized_worker_gets_no_job(keys):
         c1.close()
         stop(worker, signal.SIGKILL)
         broker.stop()
+
+
+def test_a_refused_worker_keeps_trying_says_why_and_leaves_cleanly(pool, keys, tmp_path):
+    """Two workers with a key the broker refuses, beside the admitted w1: each keeps trying and logs
+    the endpoint and the refusal (the first time after one heartbeat interval); --give-up-after ends
+    one with EXIT_UNREACHABLE, SIGTERM ends the other with 0; neither prints a traceback, and w1
+    serves throughout."""
+    _, port, c1 = pool
+    endpoint = f"tcp://127.0.0.1:{port}"
+    refusal = "the broker refused this worker's CURVE key"
+    logs = {"patient": tmp_path / "patient.log", "limited": tmp_path / "limited.log"}
+    patient = start_worker(keys, port, "rogue-patient", "wx", log=logs["patient"])
+    limited = start_worker(keys, port, "rogue-limited", "wx", "--give-up-after", "1.5", log=logs["limited"])
+    try:
+        assert limited.wait(60) == EXIT_UNREACHABLE
+        said = logs["limited"].read_text()
+        assert f"could not get through to the broker at {endpoint} in 1.5s (--give-up-after): {refusal}" in said, said
+        wait_until(lambda: f"cannot get through to the broker at {endpoint}: {refusal}" in logs["patient"].read_text(),
+                   timeout=60, what="the refused worker to say why")
+        assert patient.poll() is None
+        assert c1.call("ping")["workers"] == 1 and c1.call("tokenize", text="still served")["worker"] == "remote-w1"
+        patient.send_signal(signal.SIGTERM)
+        assert patient.wait(30) == 0
+        assert "Traceback" not in said and "Traceback" not in logs["patient"].read_text()
+    finally:
+        stop(patient, signal.SIGKILL)
+        stop(limited, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("flags", [

@@ -10,7 +10,8 @@ import argparse
 from dataclasses import dataclass
 
 from tokenbroker.common.config import (DEFAULT_WORKER_MAX_MEMORY, ModelConfig, add_flags, flag, from_args,
-                                       model_config_from_args, nested, non_negative_int, positive_int)
+                                       model_config_from_args, nested, non_negative_float, non_negative_int,
+                                       positive_int)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class WorkerConfig:
                            help="a worker whose private memory (not shared with the template it forked from) passes "
                                 "this finishes its round, stops taking jobs and leaves; a fresh one takes its place "
                                 "(0: no ceiling)")
+    give_up_after: float = flag("--give-up-after", 0.0, type=non_negative_float, metavar="SECONDS",
+                                help="a worker that cannot get through to the broker (refused, not up yet, network "
+                                     "down) keeps trying, saying why in its log; after this long without getting "
+                                     "through it exits with status 5 (0, the default: it tries until SIGTERM)")
     curve_server_key: str | None = flag("--curve-server-key", None, metavar="FILE",  # common/curve.py
                                         help="the broker's public .key: connect with CURVE")
     curve_secret_key: str | None = flag("--curve-secret-key", None, metavar="FILE",

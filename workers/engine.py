@@ -24,16 +24,24 @@ same, so caches stay valid and the fingerprint (which names the tokenizer, not i
 
 from __future__ import annotations
 
+import _thread
+import functools
+import hashlib
+import json
 import logging
 import os
+import queue
 import random
 import sys
 import tempfile
+import threading
 import time
 from array import array
 from base64 import b64encode
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from importlib import metadata
+from pathlib import Path
 from typing import Any, cast
 
 from .tokenizers import InvalidTokenId, Tokenizer, check_ids
@@ -71,6 +79,9 @@ class FastEngine:
     # encoded by `reference` (the same tokenizer with no fast engine). Empty for most models.
     guard: tuple[str, ...] = ()
     reference: Any = None
+    # The thread it encodes on when the serving thread already holds as many engines as fastokens'
+    # per-thread state keeps (EnginePlan); None: the calling thread.
+    home: "EngineThread | None" = None
 
     def guarded(self, text: str) -> bool:
         """Whether the reference encodes `text` (it holds a guarded code point). An ASCII or Latin-1
@@ -80,10 +91,16 @@ class FastEngine:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.guard and self.guarded(text):
             return self.reference.encode(text, add_special_tokens=add_special_tokens)
+        home = self.home
+        if home is not None:
+            return home.call(self.raw.encode, text, add_special_tokens).ids
         return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        out = [e.ids for e in self.raw.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        home = self.home
+        batch = (self.raw.encode_batch(texts, add_special_tokens=add_special_tokens) if home is None
+                 else home.call(self.raw.encode_batch, texts, add_special_tokens))
+        out = [e.ids for e in batch]
         if self.guard:
             for i, text in enumerate(texts):
                 if self.guarded(text):
@@ -104,7 +121,9 @@ class FastEngine:
         (text i's are ids ends[i]:ends[i + 1], ends little-endian uint64s): the engine's own two
         buffers, which the worker's replies are written from (workers/_core.pyx pack_tokens)
         without a copy per text or a Python int per id. A guarded text's ids are the reference's."""
-        flat, offsets = self.raw.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
+        home = self.home
+        flat, offsets = (self.raw.encode_batch_flat(texts, add_special_tokens=add_special_tokens) if home is None
+                         else home.call(self.raw.encode_batch_flat, texts, add_special_tokens))
         if self.guard and any(self.guarded(t) for t in texts):
             return self._splice(texts, flat, offsets, add_special_tokens)
         return flat, offsets
@@ -132,7 +151,8 @@ class FastEngine:
     def encode_ordinary(self, text: str) -> list[int]:
         if self.guard and self.guarded(text):
             return self.reference.encode_ordinary(text)
-        return self.raw.encode_ordinary(text).ids
+        home = self.home
+        return (self.raw.encode_ordinary(text) if home is None else home.call(self.raw.encode_ordinary, text)).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str | None:
         """The text of `ids`, or None when the reference decodes it: always for tiktoken (faster),
@@ -143,6 +163,9 @@ class FastEngine:
             low, high = min(ids), max(ids)
             if low < 0 or high >= self.vocab_size or (self.unassigned and not self.unassigned.isdisjoint(ids)):
                 check_ids(ids, self.vocab_size, self.unassigned)  # raises InvalidTokenId
+        home = self.home
+        if home is not None:
+            return home.call(self.raw.decode, ids, skip_special_tokens)
         return self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
@@ -410,15 +433,23 @@ def _decode_or_error(engine: Any, ids: list[int], skip: bool) -> str | None:
 # --- the choice --------------------------------------------------------------------------------------
 
 
-def speed_up(tok: Tokenizer, mode: str, *, name: str = "") -> tuple[FastEngine | None, str | None]:
+def speed_up(tok: Tokenizer, mode: str, *, name: str = "", fingerprint: str = "") -> tuple[FastEngine | None, str | None]:
     """(the fast engine to serve `tok` with, or None; why not, when not). Slow: runs off the main thread.
 
     `auto` takes fastokens when every probe matches; `fast` takes it whenever it loads, unprobed;
-    `reference` never builds it. One log line says what was chosen and what it cost.
+    `reference` never builds it. One log line says what was chosen and what it cost. With the
+    tokenizer's `fingerprint`, the probes' verdict is kept on disk for this engine version
+    (verdict_dir) and read back at the next start: a refused tokenizer is not built again, a passed
+    one is built and not probed again (the battery takes 0.5-3 s a tokenizer).
     """
     if mode == "reference":
         return None, "--tokenizer-backend reference"
     label = name or tok.description
+    kept = read_verdict(f"probe-{fingerprint}") if fingerprint and mode == "auto" else None
+    if kept is not None and kept.get("ok") is False and isinstance(kept.get("failed"), str):
+        log.warning("model %s: fastokens differs from %s on probe: %s; served by %s (the verdict of an earlier "
+                    "start)", label, tok.backend, kept["failed"], tok.backend)
+        return None, f"probe failed: {kept['failed']}"
     start = time.monotonic()
     try:
         fast = build_fast(tok)
@@ -429,16 +460,33 @@ def speed_up(tok: Tokenizer, mode: str, *, name: str = "") -> tuple[FastEngine |
     if mode == "fast":
         log.info("model %s: fastokens (forced, unprobed), built in %.2fs", label, built)
         return fast, None
+    if kept is not None and kept.get("ok") is True and isinstance(kept.get("guard"), list):
+        if kept["guard"]:
+            fast.guard, fast.reference = tuple(kept["guard"]), replace(cast(Any, tok), fast=None)
+        log.info("model %s: fastokens passed its probes%s at an earlier start, built in %.2fs", label,
+                 _guarded(tok, fast), built)
+        return fast, None
     failed = probe(tok, fast)
     if failed is not None and failed.startswith("encode whitespace edge "):
         failed = _guard(tok, fast, failed)
     probed = time.monotonic() - start - built
     if failed is not None:
         log.warning("model %s: fastokens differs from %s on probe: %s; served by %s", label, tok.backend, failed, tok.backend)
+        if fingerprint:
+            write_verdict(f"probe-{fingerprint}", {"ok": False, "failed": failed})
         return None, f"probe failed: {failed}"
-    guarded = f" (texts holding {', '.join(f'U+{ord(c):04X}' for c in fast.guard)} go to {tok.backend})" if fast.guard else ""
-    log.info("model %s: fastokens passed its probes%s, built in %.2fs, probed in %.2fs", label, guarded, built, probed)
+    if fingerprint:
+        write_verdict(f"probe-{fingerprint}", {"ok": True, "guard": list(fast.guard)})
+    log.info("model %s: fastokens passed its probes%s, built in %.2fs, probed in %.2fs", label, _guarded(tok, fast),
+             built, probed)
     return fast, None
+
+
+def _guarded(tok: Tokenizer, fast: FastEngine) -> str:
+    """What the log says of a guard: which code points' texts go to the reference."""
+    if not fast.guard:
+        return ""
+    return f" (texts holding {', '.join(f'U+{ord(c):04X}' for c in fast.guard)} go to {tok.backend})"
 
 
 def _guard(tok: Tokenizer, fast: FastEngine, failed: str) -> str | None:
@@ -465,3 +513,235 @@ def choose(tok: Tokenizer, mode: str, *, name: str = "") -> Tokenizer:
     does the same in its loader thread and switches between rounds."""
     tok.fast, _ = speed_up(tok, mode, name=name)
     return tok
+
+
+# --- verdicts kept on disk ---------------------------------------------------------------------------
+
+ENGINE_CACHE_ENV = "TOKENBROKER_ENGINE_CACHE"
+
+
+def engine_version() -> str:
+    """What a verdict depends on besides the tokenizer: fastokens', the reference libraries' and
+    this module's versions (the battery and the limit probe live here: an edit re-runs them)."""
+    return _engine_version()
+
+
+@functools.cache
+def _engine_version() -> str:
+    versions = []
+    for dist in ("fastokens", "tokenizers", "tiktoken"):
+        try:
+            versions.append(f"{dist}={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{dist}=none")
+    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(" ".join([*versions, source]).encode()).hexdigest()[:24]
+
+
+def verdict_dir() -> Path:
+    """$TOKENBROKER_ENGINE_CACHE, else tokenbroker/engines in the user's cache folder."""
+    given = os.environ.get(ENGINE_CACHE_ENV)
+    if given:
+        return Path(given)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tokenbroker" / "engines"
+
+
+def read_verdict(key: str) -> dict | None:
+    """A verdict kept under `key` for this engine version, or None (none, unreadable, malformed)."""
+    try:
+        found = json.loads((verdict_dir() / f"{key}-{engine_version()}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def write_verdict(key: str, verdict: dict) -> None:
+    """Keep `verdict` for the next start (atomically: a reader sees all of it or none); a folder that
+    cannot be written only costs the next start its probe."""
+    folder = verdict_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".verdict-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(verdict, f)
+        os.replace(tmp, folder / f"{key}-{engine_version()}.json")
+    except OSError as e:
+        log.debug("cannot keep the verdict %s in %s: %s", key, folder, e)
+
+
+# --- the limit: fast engines per thread ----------------------------------------------------------------
+
+LIMIT_PROBE_MAX = 8  # engines the probe alternates among at most; a limit found this high is no limit here
+CLIFF_FACTOR = 20.0  # an encode this many times slower than with one engine: the thread's state thrashes
+CLIFF_FLOOR_S = 100e-6  # and at least this much slower (fastokens 0.3.5: ~2 us -> ~700 us on the probe's text)
+
+
+def _probe_json() -> str:
+    """A tokenizer.json with 256 byte-level tokens and no merges: fastokens builds it in ~20 ms, and
+    a thread alternating among more instances than its state holds pays the same rebuild per encode
+    as with a real vocabulary (the state does not depend on the tokenizer: four of any kind)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = HFTokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()
+
+
+def measure_limit(most: int = LIMIT_PROBE_MAX) -> tuple[int, list[float]]:
+    """(how many fastokens instances one thread alternates among at full speed, the best seconds per
+    encode with 1..`most` in turn). Runs on a thread of its own, so the probe's state is never the
+    caller's. A cliff counts when the next count is slow too (one noisy sample is not a cliff)."""
+    import fastokens
+
+    text = ["an engine probe, one short line of text " * 10]
+    seconds: list[float] = []
+
+    def run() -> None:
+        source = _probe_json()
+        engines = []
+        for _ in range(most):
+            engine = fastokens.Tokenizer.from_json_str(source)
+            engine.enable_segment_cache(0)
+            engines.append(engine)
+        for n in range(1, most + 1):
+            for e in engines[:n]:
+                e.encode_batch_flat(text)
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                for i in range(4 * n):
+                    engines[i % n].encode_batch_flat(text)
+                best = min(best, (time.perf_counter() - start) / (4 * n))
+            seconds.append(best)
+
+    prober = threading.Thread(target=run, name="tokenbroker-engine-probe")
+    prober.start()
+    prober.join()
+    base = seconds[0]
+    slow = [t > max(CLIFF_FACTOR * base, base + CLIFF_FLOOR_S) for t in seconds]
+    for n in range(1, most):
+        if slow[n] and (n + 1 == most or slow[n + 1]):
+            return n, seconds
+    return most, seconds
+
+
+def engine_limit() -> int:
+    """How many fast engines one thread serves before fastokens' per-thread state thrashes: measured
+    once per engine version (measure_limit, ~0.3 s), kept on disk, read back at every later start."""
+    return _engine_limit()
+
+
+@functools.cache
+def _engine_limit() -> int:
+    try:
+        import fastokens  # noqa: F401
+    except ImportError:
+        return LIMIT_PROBE_MAX  # no fast engine at all: nothing to plan around
+    kept = read_verdict("limit")
+    if kept is not None and isinstance(kept.get("limit"), int) and 1 <= kept["limit"] <= LIMIT_PROBE_MAX:
+        log.info("fast engines: %d per thread (measured before, %s)", kept["limit"], verdict_dir())
+        return cast(int, kept["limit"])
+    limit, seconds = measure_limit()
+    log.info("fast engines: %d per thread, measured (us per encode with 1..%d in turn: %s)", limit, len(seconds),
+             " ".join(f"{t * 1e6:.0f}" for t in seconds))
+    write_verdict("limit", {"limit": limit, "us": [round(t * 1e6, 1) for t in seconds]})
+    return limit
+
+
+class EngineThread:
+    """A thread of its own for fast engines beyond what the serving thread's state holds: a call
+    hands it the engine's function and waits (~20-30 us a hand-off, against ~3 ms an encode pays on a
+    thread that alternates among more engines than its state holds). fastokens' encode releases the
+    GIL, so the waiting thread's Python is never held up by it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.engines = 0  # engines placed here (EnginePlan)
+        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple, list, Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on this thread; what it raises is raised here."""
+        done = _thread.allocate_lock()
+        done.acquire()
+        box: list = []
+        self._calls.put((fn, args, box, done))
+        done.acquire()
+        if len(box) == 2:
+            raise box[1]
+        return box[0]
+
+    def _run(self) -> None:
+        while (item := self._calls.get()) is not None:
+            fn, args, box, done = item
+            try:
+                box.append(fn(*args))
+            except BaseException as e:  # handed to the caller
+                box += [None, e]
+            del fn, args, box
+            done.release()
+
+    def close(self) -> None:
+        self._calls.put(None)
+
+
+WARM_TEXT = "Warm up: a short text with words, digits 12345, punctuation (!?) and ünïcödé."
+
+
+class EnginePlan:
+    """Which thread each fast engine of a worker encodes on: the first `limit` on the serving thread
+    (the worker's main thread, which runs the rounds), the rest `limit` to a thread of their own.
+    Each engine is warmed where it will encode when placed (fastokens builds its per-thread state at
+    a thread's first encode with an engine: 9-54 ms that no request should pay). Main thread only."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.threads: list[EngineThread] = []
+        self._placed: dict[int, FastEngine] = {}  # id -> engine, those placed and still served
+
+    def place(self, engines: Iterable[FastEngine]) -> None:
+        """Place and warm every engine of `engines` (those served now) not placed yet; forget the
+        ones no longer served, so their places free up."""
+        live = {id(e): e for e in engines}
+        start, placed = time.perf_counter(), 0
+        for key in [k for k in self._placed if k not in live]:
+            gone = self._placed.pop(key)
+            if gone.home is not None:
+                gone.home.engines -= 1
+        for key, engine in live.items():
+            if key in self._placed:
+                continue
+            serving = sum(1 for e in self._placed.values() if e.home is None)
+            if serving < self.limit:
+                engine.home = None
+            else:
+                home = next((t for t in self.threads if t.engines < self.limit), None)
+                if home is None:
+                    home = EngineThread(f"tokenbroker-engines-{len(self.threads) + 1}")
+                    self.threads.append(home)
+                    log.info("fast engines: the serving thread holds %d (fastokens keeps per-thread state for "
+                             "that many); more encode on thread %s", self.limit, home.name)
+                home.engines += 1
+                engine.home = home
+            self._placed[key] = engine
+            warm(engine)
+            placed += 1
+        if placed:
+            serving = sum(1 for e in self._placed.values() if e.home is None)
+            log.info("fast engines: %d placed and warmed in %.1f ms (%d on the serving thread, %d on %d threads of "
+                     "their own; limit %d a thread)", placed, (time.perf_counter() - start) * 1e3, serving,
+                     len(self._placed) - serving, self.report()["threads"], self.limit)
+
+    def report(self) -> dict[str, int]:
+        """What heartbeats carry: the limit, the fast engines served, the threads of their own."""
+        return {"limit": self.limit, "fast": len(self._placed), "threads": sum(1 for t in self.threads if t.engines)}
+
+
+def warm(engine: FastEngine) -> None:
+    """One encode where `engine` will encode: the thread's state for it is built now."""
+    engine.encode_flat([WARM_TEXT], True)

@@ -29,14 +29,37 @@ FINGERPRINT_VERSION = b"tokenbroker model fingerprint v1"
 
 def model_fingerprint(tokenizer: Tokenizer, templates: ChatTemplates | None) -> str:
     """The hex SHA-256 of the tokenizer's defining bytes, special tokens, chat template and options."""
+    return fingerprints(tokenizer, templates)[0]
+
+
+def fingerprints(tokenizer: Tokenizer, templates: ChatTemplates | None) -> tuple[str, str]:
+    """(the model's fingerprint, its tokenizer's): the second hashes every part but the chat
+    template, so models over one tokenizer file with other templates, names or aliases have one
+    tokenizer fingerprint and share one engine and its caches (workers/registry.py). One pass over
+    the vocabulary: the template is the last part, hashed into a copy.
+
+    >>> from tokenbroker.workers.chat import ChatTemplates
+    >>> from tokenbroker.workers.tokenizers import load_tokenizer
+    >>> tok = load_tokenizer("cl100k_base")
+    >>> a, b = fingerprints(tok, None), fingerprints(tok, ChatTemplates(default="{{ messages }}", named={}, source="test"))
+    >>> a[0] != b[0], a[1] == b[1], a[0] == model_fingerprint(tok, None)
+    (True, True, True)
+    """
     h = hashlib.sha256(FINGERPRINT_VERSION)
-    for label, data in _parts(tokenizer, templates):
-        h.update(label.encode() + b"\x00" + len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest()
+    for label, data in _tokenizer_parts(tokenizer):
+        _put(h, label, data)
+    tokenizer_digest = h.copy()
+    _put(h, "chat_template", _canonical(_template_parts(templates)))
+    _put(tokenizer_digest, "engine", b"")  # never equal to a model fingerprint
+    return h.hexdigest(), tokenizer_digest.hexdigest()
 
 
-def _parts(tokenizer: Tokenizer, templates: ChatTemplates | None) -> Iterable[tuple[str, bytes]]:
+def _put(h: "hashlib._Hash", label: str, data: bytes) -> None:
+    h.update(label.encode() + b"\x00" + len(data).to_bytes(8, "little"))
+    h.update(data)
+
+
+def _tokenizer_parts(tokenizer: Tokenizer) -> Iterable[tuple[str, bytes]]:
     yield "kind", tokenizer.kind.encode()
     yield "tokenizer", _defining_bytes(tokenizer)
     yield "special_tokens", _canonical(sorted(tokenizer.special_tokens.items()))
@@ -46,7 +69,6 @@ def _parts(tokenizer: Tokenizer, templates: ChatTemplates | None) -> Iterable[tu
     # minus the template (counted below, with overrides) and keys that only describe files.
     config = {k: v for k, v in tokenizer.tokenizer_config.items() if k not in _NON_DEFINING_CONFIG}
     yield "tokenizer_config", _canonical(config)
-    yield "chat_template", _canonical(_template_parts(templates))
 
 
 # Keys of tokenizer_config.json that never change an id or a rendered prompt.

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 from tokenbroker.common.config import CacheConfig, ModelSpec
 from tokenbroker.common.errors import BootError
-from tokenbroker.common.process import drain_pipe
+from tokenbroker.common.process import drain_pipe, release_memory
 from tokenbroker.common.protocol import LoadSpec, Loaded
 
 from .engine import FastEngine, speed_up
@@ -75,6 +75,7 @@ class EngineTicket:
     name: str
     mode: str
     not_before: float = 0.0
+    fingerprint: str = ""  # the tokenizer's: the probes' verdict is kept on disk under it
     cancelled: bool = False
 
     def cancel(self) -> None:
@@ -215,7 +216,7 @@ class Loader:
                 if ticket.cancelled or tok is None:
                     continue
                 start = time.monotonic()
-                engine, reason = speed_up(tok, ticket.mode, name=ticket.name)
+                engine, reason = speed_up(tok, ticket.mode, name=ticket.name, fingerprint=ticket.fingerprint)
                 outcome = EngineOutcome(ticket, tok, engine, reason, time.monotonic() - start)
                 del tok, engine
             elif ticket.cancelled:
@@ -251,13 +252,17 @@ class ModelInstaller:
         self.engines: dict[str, EngineTicket] = {}  # name -> its fast engine's build, deferred or under way
         for model in registry.models:  # loaded at start with their reference library
             self._speed_up(model)
+        registry.place_engines()  # built before the fork: placed and warmed before READY
 
     def _speed_up(self, model: Model, *, after: float = 0.0) -> None:
         """Have the loader build and probe `model`'s fast engine (unless --tokenizer-backend reference),
         not before `after` seconds from now."""
         tok = model.tokenizer
+        if any(t.tokenizer is tok for t in self.engines.values()):
+            return  # another model over this tokenizer has its build on the way: one engine per tokenizer
         if self.registry.backend_mode != "reference" and tok.fast is None and tok not in self.registry.engine_refused:
-            ticket = EngineTicket(tok, model.name, self.registry.backend_mode, time.monotonic() + after)
+            ticket = EngineTicket(tok, model.name, self.registry.backend_mode, time.monotonic() + after,
+                                  fingerprint=model.tokenizer_fingerprint)
             self.engines[model.name] = ticket
             self.loader.submit(ticket)
 
@@ -280,7 +285,7 @@ class ModelInstaller:
         if leaving:
             return [Loaded(name, False, error="this worker is leaving (SIGTERM): load it elsewhere", retry=True)]
         held = self.registry.tokenizers() + len(self.loading)
-        if self.max_models > 0 and held >= self.max_models:
+        if self.max_models > 0 and held >= self.max_models and not self._over_held(spec):
             return [Loaded(name, False, retry=True, error=f"this worker holds {held} models (loaded and loading), "
                            f"its most (--max-models-per-worker {self.max_models}): unload one first")]
         taken = self._taken((name, *spec.aliases))
@@ -289,6 +294,7 @@ class ModelInstaller:
         woken = self.registry.wake(spec)
         if woken is not None:
             self._speed_up(woken)
+            self.registry.place_engines()
             log.info("model %s: served from the template's copy (no load)", name)
             return [Loaded(name, True, fingerprint=woken.fingerprint, info=woken.info().to_wire(), seconds=0.0)]
         ticket = Ticket(spec)
@@ -296,6 +302,12 @@ class ModelInstaller:
         self.loader.submit(ticket)
         log.info("model %s: loading %s in the background", name, spec.source)
         return []
+
+    def _over_held(self, spec: ModelSpec) -> bool:
+        """`spec` reads the tokenizer files of a loaded model (another template or name over them): it
+        will share that model's engine (registry.engine_for), so it takes no slot of the cap."""
+        return any(m.spec.source == spec.source and m.spec.tokenizer_path == spec.tokenizer_path
+                   for m in self.registry.models)
 
     def _share(self, spec: ModelSpec, shared: Model) -> list[Loaded]:
         """Serve `spec`'s names with a loaded model's tokenizer, caches and templates (the broker
@@ -327,6 +339,7 @@ class ModelInstaller:
             engine = self.engines.pop(name, None)
             if engine is not None and not self.registry.holds(engine.tokenizer):
                 engine.cancel()  # not built yet (or its result is skipped): the model is gone
+            self.registry.place_engines()  # its engine's place is free
             if name in self.registry.dormant:
                 log.info("model %s: unloaded (dormant again: the template's copy stays shared)", name)
                 return
@@ -348,9 +361,11 @@ class ModelInstaller:
             del self.loading[name]
             model = outcome.model
             if model is not None:
-                twin = self.registry.twin(model.fingerprint)
-                if twin is not None:  # the same tokenizer is here already: serve this name with it, drop the copy
-                    model = twin.sharing(model.spec)
+                loaded_tokenizer = model.tokenizer
+                model = self.registry.engine_for(model)
+                shared = model.tokenizer is not loaded_tokenizer
+                del loaded_tokenizer
+                if shared:  # the same tokenizer is here already: serve this name with its engine, drop the copy
                     outcome = replace(outcome, model=model, info=model.info().to_wire())
                     release_memory()
                 try:
@@ -358,7 +373,7 @@ class ModelInstaller:
                 except ValueError as e:  # cannot happen while `load` checks names; said, never raised
                     out.append(Loaded(name, False, error=str(e)[:MAX_ERROR_CHARS], seconds=outcome.seconds))
                     continue
-                if twin is None:  # under a cap, a model taking its turn in a slot may never need it
+                if not shared:  # under a cap, a model taking its turn in a slot may never need it
                     self._speed_up(model, after=ENGINE_AFTER_S if self.max_models > 0 else 0.0)
             out.append(outcome.loaded())
         return out
@@ -375,6 +390,7 @@ class ModelInstaller:
         if not self.registry.holds(tok):
             return
         serve_fast(self.registry, tok, outcome.engine)
+        self.registry.place_engines()  # warmed on the thread that will encode with it, before a job does
         log.info("model %s: now served by %s (engine ready %.2fs after its load)", outcome.ticket.name,
                  tok.backend, outcome.seconds)
 
@@ -386,14 +402,3 @@ def serve_fast(registry: ModelRegistry, tok: Tokenizer, engine: FastEngine) -> N
     models = (*registry.models, *registry.dormant.values())
     for cache in {id(m.cache): m.cache for m in models if m.tokenizer is tok}.values():
         cache.fast_engine_serves()
-
-
-def release_memory() -> None:
-    """Give the heap a model left behind back to the system (glibc keeps freed arenas otherwise: a
-    DeepSeek tokenizer let go left ~50 MiB resident until trimmed). Elsewhere, a no-op."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

@@ -8,8 +8,9 @@ never while it computes), so a busy worker still says it is alive, but only whil
 within its budget: a compute thread stuck past its jobs' deadlines stops heartbeating, and the
 broker replaces the worker (the watchdog).
 
-The broker going silent makes the worker reconnect with doubling backoff (the Paranoid Pirate
-worker). SIGTERM: say BYE, take what the broker sent before it read the BYE, finish, leave.
+Getting through to the broker, at the start and after it went silent, is workers/join.py's: a worker
+that cannot (refused, broker not up yet, network down) keeps trying and says why, until SIGTERM or
+--give-up-after. SIGTERM: say BYE, take what the broker sent before it read the BYE, finish, leave.
 
 Jobs that can run long go to lanes (background.py): a chat rendered by jinja2 (a template MiniJinja
 does not serve, chat/gate.py; MiniJinja renders in the round, bounded by fuel), the encode of a long
@@ -35,8 +36,8 @@ from __future__ import annotations
 
 import os
 
-from tokenbroker.common.process import (EXIT_BOOT_ERROR, EXIT_RECYCLED, PARENT_PID_ENV, memory_figures, resident_bytes,
-                                        use_one_thread)
+from tokenbroker.common.process import (EXIT_BOOT_ERROR, EXIT_RECYCLED, EXIT_UNREACHABLE, PARENT_PID_ENV, memory_figures,
+                                        resident_bytes, use_one_thread)
 
 use_one_thread()  # before tokenizers is first imported (common/process.py)
 
@@ -51,7 +52,6 @@ from typing import Any, cast
 
 import zmq
 
-from tokenbroker.common.curve import apply_client_curve
 from tokenbroker.common.errors import BootError
 from tokenbroker.common.protocol import (
     B_HEARTBEAT,
@@ -74,14 +74,14 @@ from tokenbroker.common.protocol import (
 
 from .background import Lane
 from .config import WorkerConfig
+from .join import BrokerUnreachable, join
 from .loader import Loader, ModelInstaller
 from .ops import Ops, PendingJob
 from .registry import ModelRegistry
+from .zygote import Zygote
 
 log = logging.getLogger(__name__)
 
-RECONNECT_INIT_S = 0.1
-RECONNECT_MAX_S = 5.0
 MAX_ROUND_JOBS = 256  # jobs run in one round before their results go out
 WATCHDOG_GRACE_S = 2.0  # a round may run this long past its jobs' budgets before heartbeats stop
 LARGE_FRAME = 1 << 16  # frames longer than this are taken as views of ZeroMQ's buffer, never copied
@@ -138,6 +138,7 @@ def build_ready(config: WorkerConfig, name: str, incarnation: str, registry: Mod
         names=[n for m in registry.models for n in m.names],
         maps=[glob for glob, _ in config.models.tokenizer_map],
         infos={m.name: m.info().to_wire() for m in registry.models},
+        engine_limit=registry.engine_limit,
     )
 
 
@@ -162,10 +163,12 @@ class Worker:
         self.served = 0
         self.stats: dict = registry.cache_stats()
         self.backends: dict[str, str] = registry.backends()  # model -> engine, as the switch to fastokens comes later
+        self.engines: dict[str, int] = registry.engines()  # fast engines: limit, served, threads (workers/engine.py)
         self.next_beat = 0.0
         self.pss: int | None = None  # proportional set size as last read (PSS_EVERY_S)
         self.private: int | None = None  # private memory as last read, with PSS: what --max-memory bounds
         self.recycled = False  # left because its memory passed --max-memory
+        self.unreachable = False  # gave up getting through to the broker (--give-up-after)
         self.pss_at = 0.0
         self.round_until: float | None = None  # while a round computes: when it is overdue
         self.stuck_logged = False
@@ -174,21 +177,32 @@ class Worker:
 
     # --- the socket ----------------------------------------------------------------------
 
-    def _connect(self) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)  # ZeroMQ picks the identity: one per connection
-        sock.setsockopt(zmq.LINGER, 2000)
-        # A DEALER with no connection (the broker refused our handshake, or is not there yet) would
-        # block a send forever: give up after a while instead, so liveness and SIGTERM still work.
-        sock.setsockopt(zmq.SNDTIMEO, int(HEARTBEAT_INTERVAL_S * 1000))
-        apply_client_curve(sock, self.config.curve_server_key, self.config.curve_secret_key)  # common/curve.py
-        sock.connect(self.config.connect)
-        sock.send_multipart([W_READY, self._ready()])
+    def _connect(self) -> zmq.Socket | None:
+        """A socket the broker has answered (workers/join.py: however long that takes, saying why
+        meanwhile), polled with the loader's and the lanes' pipes; None when the worker leaves
+        first (SIGTERM, its broker gone) or gave up (--give-up-after: `unreachable` says so)."""
+        curve = (self.config.curve_server_key, self.config.curve_secret_key)
+        try:
+            sock = join(self.ctx, self.config.connect, curve, self._ready, self._stopping, self.config.give_up_after)
+        except BrokerUnreachable as e:
+            log.error("%s: leaving", e)
+            self.unreachable = True
+            return None
+        if sock is None:
+            return None
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.loader.fd, zmq.POLLIN)
         for lane in self.lanes:
             self.poller.register(lane.fd, zmq.POLLIN)
         return sock
+
+    def _stopping(self) -> bool:
+        """Whether a worker still getting through should stop trying: SIGTERM, or its broker is gone."""
+        if self.orphaned() and not self.leaving.is_set():
+            log.warning("the broker that started this worker (pid %s) is gone: leaving", self.parent_pid)
+            self.leaving.set()
+        return self.leaving.is_set()
 
     def _ready(self) -> bytes:
         return build_ready(self.config, self.name, self.incarnation, self.registry).to_wire()
@@ -207,6 +221,7 @@ class Worker:
             "served": self.served,
             "caches": self.stats,
             "backends": self.backends,
+            "engines": self.engines,  # the fast engines' per-thread limit, how many, threads of their own
             "lanes": {lane.name: lane.report() for lane in self.lanes},  # "wedged": threads given up on, still in a call
         }
         return [W_HEARTBEAT, pack(body)]
@@ -214,8 +229,10 @@ class Worker:
     def _send(self, frames: list[bytes]) -> None:
         """Send with the lock held; a message that cannot go out in time is dropped (the broker
         retries what it never hears of, once it gives up on this worker)."""
+        if self.sock is None:  # left while getting through again: no broker to tell
+            return
         try:
-            send_frames(cast(zmq.Socket, self.sock), frames)
+            send_frames(self.sock, frames)
         except zmq.Again:
             log.warning("could not send to the broker within %.1fs: a message was dropped", HEARTBEAT_INTERVAL_S)
 
@@ -230,11 +247,11 @@ class Worker:
             self.sock = self._connect()
         beat = threading.Thread(target=self._beat_while_busy, name="tokenbroker-beat", daemon=True)
         beat.start()
-        liveness, backoff, heard = HEARTBEAT_LIVENESS, RECONNECT_INIT_S, False
+        liveness, heard = HEARTBEAT_LIVENESS, False
         self.next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
         bye_at: float | None = None  # when BYE went out
         drained = False  # the broker has read our BYE: nothing more is on its way
-        while True:
+        while self.sock is not None:  # None: left (or gave up) while getting through again
             jobs: list[PendingJob] = []
             with self.lock:
                 if self.leaving.is_set() and bye_at is None:
@@ -247,7 +264,7 @@ class Worker:
                 timeout_ms = int(max(0.0, self.next_beat - time.monotonic()) * 1000)  # as Poller.poll rounds a float
                 events = dict(cast(zmq.Poller, self.poller).poll(timeout_ms))
                 if self.sock in events:
-                    liveness, backoff, heard = HEARTBEAT_LIVENESS, RECONNECT_INIT_S, True
+                    liveness, heard = HEARTBEAT_LIVENESS, True
                     drained |= self._take(jobs, bye_at is not None)
                 if self.loader.fd in events:
                     for loaded in self.installer.finished():
@@ -262,6 +279,7 @@ class Worker:
                         self.leaving.set()
                     self.stats = self.registry.cache_stats()
                     self.backends = self.registry.backends()
+                    self.engines = self.registry.engines()
                     self._send(self._heartbeat())
                     self.next_beat = now + HEARTBEAT_INTERVAL_S
                     if self._past_ceiling():
@@ -270,10 +288,8 @@ class Worker:
                         liveness -= 1
                     heard = False
                     if liveness <= 0 and bye_at is None:
-                        log.warning("broker silent for %.1fs; reconnecting in %.1fs", HEARTBEAT_INTERVAL_S * HEARTBEAT_LIVENESS, backoff)
+                        log.warning("broker silent for %.1fs; reconnecting", HEARTBEAT_INTERVAL_S * HEARTBEAT_LIVENESS)
                         self.sock.close(linger=0)
-                        time.sleep(backoff)
-                        backoff = min(backoff * 2, RECONNECT_MAX_S)
                         self.sock = self._connect()
                         liveness = HEARTBEAT_LIVENESS
             for lane in finished:
@@ -286,7 +302,8 @@ class Worker:
         for lane in self.lanes:
             lane.close()
         with self.lock:
-            self.sock.close(linger=2000)
+            if self.sock is not None:
+                self.sock.close(linger=2000)
             self.sock = None
 
     def _past_ceiling(self) -> bool:
@@ -390,9 +407,7 @@ def serve(config: WorkerConfig) -> int:
         print(f"tokenbroker worker: cannot load tokenizers: {e}", file=sys.stderr, flush=True)
         return EXIT_BOOT_ERROR
     if config.zygote_fd is not None:
-        from .zygote import Zygote
-
-        return Zygote(config, registry).run()
+        return Zygote(config, registry, run).run()
     return run(config, registry)
 
 
@@ -409,7 +424,7 @@ def run(config: WorkerConfig, registry: ModelRegistry) -> int:
     signal.signal(signal.SIGTERM, leave)
     signal.signal(signal.SIGINT, leave)
     worker.run()
-    code = EXIT_RECYCLED if worker.recycled else 0
+    code = EXIT_RECYCLED if worker.recycled else EXIT_UNREACHABLE if worker.unreachable else 0
     ctx.term()
     if not worker.loader.idle(timeout=1.0):
         # The loader thread is inside a library call (building or probing a fast engine): a daemon

@@ -35,7 +35,7 @@ from tokenbroker.common.protocol import (
 
 from ._core import pack_tokens, read_plain
 from .budget import ITEM_OVERHEAD, ReplyBudget
-from .cache import CacheOutcome, u32_list
+from .cache import OFF, CacheOutcome, u32_list
 from .background import Done, Lane
 from .count import count_request
 from .count_lane import Stop, count_at_head, engine_encoder, wants_lane
@@ -53,6 +53,15 @@ def u32_array(data: bytes, field: str) -> array:
     if len(data) % 4:
         raise ProtocolError("invalid_input", f"field '{field}': a u32 bin must be a multiple of 4 bytes long, got {len(data)}")
     a = array("I")
+    a.frombytes(data)
+    if not _LITTLE:  # pragma: no cover
+        a.byteswap()
+    return a
+
+
+def _u64s(data: bytes) -> array:
+    """The little-endian u64s of an engine's `ends` buffer (workers/tokenizers.py `encode_flat`)."""
+    a = array("Q")
     a.frombytes(data)
     if not _LITTLE:  # pragma: no cover
         a.byteswap()
@@ -77,17 +86,24 @@ class PendingJob:
         return self.received + self.budget_ms / 1000 if self.budget_ms else None
 
 
-BATCH_STEP = 256  # a batch with a deadline is encoded this many texts at a time (and stops past it)
+BATCH_STEP = 256  # a long batch is encoded this many texts at a time (and stops past its deadline)
 
 
 @dataclass(slots=True)
-class _Group:
-    """A round's plain tokenize jobs of one model and add_special_tokens: one batch encode.
-    Members: (index in the round, the text or the batch's texts, u32, the raw id)."""
+class _Plain:
+    """A plain tokenize as `read_plain` read it (or `_as_plain` from a parsed large payload), with the
+    model it names: what the plain path serves (`Ops._encode`, `Ops._packed`)."""
 
+    job: PendingJob
     model: Model
+    name: str | None
+    text: str | list[str]
+    u32: bool
     add_special: bool
-    members: list[tuple[int, Any, bool, bytes]] = field(default_factory=list)
+    rid: bytes  # the id's MessagePack bytes, as they came
+
+    def texts(self) -> list[str]:
+        return [self.text] if type(self.text) is str else cast("list[str]", self.text)
 
 
 OFFLOAD_BYTES = 64 * 1024  # a tokenize payload longer than this is read, encoded and answered on the encode lane (~10 ms of work)
@@ -121,7 +137,6 @@ class Ops:
         self.limits = registry.limits
         self.deadline = float("inf")  # of the job being served (time.monotonic()); batches stop past it
         self.payload_bytes = 0  # of the job being served: what detokenize_stream's free reply bound reads
-        self._tails: dict[str, bytes] = {}  # pack_tokens' fixed reply ends (`_tail`), by the `cache` map's l0
         self._cache_tails: dict[str, tuple[bytes, bytes, bytes]] = {}  # `_cache_tail`'s parts, by l0
         caches = registry.cache_config
         self.tokenin = Tokenin(CHAIN_MEMO_BYTES if caches.l0_enabled or caches.l1_enabled else 0)
@@ -135,18 +150,19 @@ class Ops:
         With lanes set, a chat job only starts its render here, and a plain tokenize of a long text
         its encode: `finish_deferred` answers them.
 
-        A plain tokenize (one text or a batch of them) is read by the compiled reader
-        (workers/_core.pyx `read_plain`: no dict, no parse of the common fields in Python). Of a
-        model with its caches off, it is encoded with the others of its model in one batch call
-        (which releases the GIL) and answered by `pack_tokens` straight from the engine's u32
-        buffer; of a model with caches, each text through the cache's packed entry point and the reply
-        by `pack_tokens` too (`_cached`). The rest are parsed and served
-        one by one, by `_serve`, which gives the same replies byte for byte (tests check). `run` is
-        the one entry point: the worker calls it, and so do the tests.
+        A plain tokenize (one text or a batch of them) has one path: read by the compiled reader
+        (workers/_core.pyx `read_plain`: no dict, no parse of the common fields in Python), encoded
+        by `_encode` (through the model's caches, or its engine's batch call, which releases the GIL),
+        its reply written by `_packed` straight from the engine's u32 buffer. The plain jobs of a
+        round that share a cache-less model share one engine call (`_tokenize_shared`); the others go
+        alone (`_tokenize`). The rest are parsed and served one by one, by `_serve`, which gives the
+        same replies byte for byte (tests check). `run` is the one entry point: the worker calls it,
+        and so do the tests.
         """
         out: list[tuple[int, str, bytes] | None] = [None] * len(jobs)
-        groups: dict[tuple[int, bool], _Group] = {}
+        shared: dict[tuple[int, bool], list[tuple[int, _Plain]]] = {}  # plain jobs of one engine call
         models: dict[str | None, Model | None] = {}  # this round's plain-path model per name
+        alone = min(BATCH_STEP, self.limits.max_batch_items)  # a batch longer than this is encoded on its own
         now = time.monotonic()
         for i, job in enumerate(jobs):
             if job.budget_ms and (now - job.received) * 1000 > job.budget_ms:
@@ -162,23 +178,15 @@ class Ops:
                     continue
             if type(job.payload) is not bytes:  # a large frame the worker took without copying
                 job.payload = bytes(job.payload)
-            plain = read_plain(job.payload)
-            if plain is not None:
-                text, name, u32, add_special, rid = plain
-                model = models[name] if name in models else models.setdefault(name, self._known_model(name))
-                if model is not None and model.cache.enabled:  # through its caches, from the fields read here
-                    out[i] = self._cached(job, model, name, text, u32, add_special, rid)
-                    continue
-                if model is not None and (type(text) is str or len(text) <= self.limits.max_batch_items):
-                    key = (id(model), add_special)
-                    group = groups.get(key)
-                    if group is None:
-                        group = groups[key] = _Group(model, add_special)
-                    group.members.append((i, text, u32, rid))
-                    continue
-            out[i] = self._general(job)
-        for group in groups.values():
-            self._encode_group(group, jobs, out)
+            plain = self._read_plain(job, job.payload, models)
+            if plain is None:
+                out[i] = self._general(job)
+            elif plain.model.cache.enabled or (type(plain.text) is not str and len(plain.text) > alone):
+                out[i] = self._tokenize(plain)
+            else:
+                shared.setdefault((id(plain.model), plain.add_special), []).append((i, plain))
+        for group in shared.values():
+            self._tokenize_shared(group, out)
         return [r for r in out if r is not None]  # deferred jobs are answered by finish_deferred
 
     def _general(self, job: PendingJob) -> tuple[int, str, bytes] | None:
@@ -204,132 +212,141 @@ class Ops:
         except ProtocolError:
             return None
 
-    def _batch_model(self, name: str | None) -> Model | None:
-        """The model a batch encode serves exactly for requests naming `name`, else None (unknown
-        names, and models with caches on, go the general way, which says or counts why)."""
-        model = self._known_model(name)
-        return None if model is None or model.cache.enabled else model
+    # --- the plain tokenize: one path ---------------------------------------------------
 
-    def _plain_tokenize_model(self, request: Request) -> Any:
-        """The model of a parsed tokenize request that a batch encode serves exactly, else None."""
+    def _read_plain(self, job: PendingJob, payload: bytes, models: dict[str | None, Model | None] | None = None) -> _Plain | None:
+        """The job (its `payload`) as a plain tokenize of a model this worker holds, or None (the
+        general way serves it, and names any fault). `models`: a round's memo of names resolved."""
+        fields = read_plain(payload)
+        if fields is None:
+            return None
+        text, name, u32, add_special, rid = fields
+        if models is None:
+            model = self._known_model(name)
+        else:
+            model = models[name] if name in models else models.setdefault(name, self._known_model(name))
+        return None if model is None else _Plain(job, model, name, text, u32, add_special, rid)
+
+    def _as_plain(self, job: PendingJob, request: Request) -> _Plain | None:
+        """A parsed request (a large payload read on a lane, `read_large`) as a plain tokenize of one
+        text, or None when it is anything else."""
         p = request.payload
         if request.op != "tokenize" or type(p.get("text")) is not str or type(p.get("add_special_tokens", True)) not in (bool, type(None)):
             return None
-        if asks_extras(p):
+        model = None if asks_extras(p) else self._known_model(request.model)
+        if model is None:
             return None
-        return self._batch_model(request.model)
+        return _Plain(job, model, request.model, p["text"], request.tokens_format == "u32",
+                      p.get("add_special_tokens") is not False, request.raw_id)
 
-    def _encode_group(self, group: "_Group", jobs: list[PendingJob], out: list) -> None:
-        """One batch encode for the texts of a group's jobs (single texts and small batches alike, in
-        either tokens_format), each reply written by `pack_tokens` from the engine's buffer. A batch
-        of more than BATCH_STEP texts is encoded on its own in steps (`_encode_long_batch`), so it
-        stops once its deadline passes. A reply `pack_tokens` leaves (one the reply budget may refuse),
-        and every job of an encode the engine refuses, go the general way, which names the error."""
-        texts: list[str] = []
-        members = []
-        for member in group.members:
-            text = member[1]
-            if type(text) is str:
-                texts.append(text)
-            elif len(text) > BATCH_STEP and jobs[member[0]].budget_ms:
-                self._encode_long_batch(group, jobs[member[0]], member, out)
-                continue
+    def _tokenize(self, plain: _Plain) -> tuple[int, str, bytes]:
+        """A plain tokenize encoded on its own: with its deadline checked between steps of a long
+        batch, and the encode stopped once the reply's free bound passes --max-reply-bytes."""
+        try:
+            texts = plain.texts()
+            if type(plain.text) is not str:
+                self._batch_items(texts, "text")
+            flat, ends, outcomes = self._encode(plain.model, texts, plain.add_special, plain.job.deadline(),
+                                                self.limits.max_reply_bytes, 4 if plain.u32 else 5)
+        except Exception as e:  # noqa: BLE001 - what op_tokenize's encode raises, answered as _serve does
+            reply, code = self._error(plain.rid, e)
+            return plain.job.job_id, code, reply
+        return self._reply(plain, flat, ends, 0, outcomes)
+
+    def _tokenize_shared(self, group: list[tuple[int, _Plain]], out: list) -> None:
+        """The plain jobs of a round that name one cache-less model and add_special_tokens (single
+        texts and short batches): one engine call for all their texts, each reply cut from it. When
+        the engine refuses a text, each job goes alone, so only the one holding it fails."""
+        first = group[0][1]
+        texts = [t for _, plain in group for t in plain.texts()]
+        try:
+            flat, ends, outcomes = self._encode(first.model, texts, first.add_special, None, None, 0)
+        except Exception:  # noqa: BLE001 - answered by each job alone
+            for i, plain in group:
+                out[i] = self._tokenize(plain)
+            return
+        at = 0
+        for i, plain in group:
+            out[i] = self._reply(plain, flat, ends, at, outcomes)
+            at += 1 if type(plain.text) is str else len(plain.text)
+
+    def _encode(self, model: Model, texts: list[str], add_special: bool, deadline: float | None, limit: int | None,
+                per_id: int) -> tuple[bytes, bytes, list[CacheOutcome] | None]:
+        """The texts' ids: (one little-endian u32 buffer of them all, where each text's end in it as
+        little-endian u64s, each text's cache outcome or None when the model has no caches).
+
+        Through the model's caches text by text, or its engine's batch call BATCH_STEP texts at a
+        time (one call, the engine's own buffers, for a round's worth). ProtocolError timeout once
+        `deadline` has passed between two steps. With `limit`, it stops early, returning the texts
+        encoded so far, once the reply's free bound (`per_id` bytes an id and ITEM_OVERHEAD a text,
+        what workers/budget.py charges first) passes it: that reply is built the general way."""
+        cached = model.cache.enabled
+        if not cached and len(texts) <= BATCH_STEP:
+            flat, offsets = model.tokenizer.encode_flat(texts, add_special_tokens=add_special)
+            return flat, offsets, None
+        parts: list[bytes] = []
+        ends = array("Q", [0])
+        outcomes: list[CacheOutcome] = []
+        loose = 0
+        for at in range(0, len(texts), BATCH_STEP):
+            if at and deadline is not None and time.monotonic() > deadline:
+                raise ProtocolError("timeout", f"the deadline passed after {at} items of the batch")
+            if cached:
+                for t in texts[at:at + BATCH_STEP]:
+                    packed, got = model.cache.encode_u32(t, add_special)
+                    parts.append(packed)
+                    outcomes.append(got)
+                    ends.append(ends[-1] + (len(packed) >> 2))
+                    loose += per_id * (len(packed) >> 2) + ITEM_OVERHEAD
+                    if limit is not None and loose > limit:
+                        break
             else:
-                texts.extend(text)
-            members.append(member)
-        if not members:
-            return
-        try:
-            flat, ends = group.model.tokenizer.encode_flat(texts, add_special_tokens=group.add_special)
-        except Exception:  # noqa: BLE001 - a text the batch call refuses: each job alone, so only it fails
-            for i, *_ in members:
-                out[i] = self._general(jobs[i])
-            return
-        tail, limit, first = self._tail(), self.limits.max_reply_bytes, 0
-        for i, text, u32, rid in members:
-            batch = type(text) is not str
-            n = len(text) if batch else 1
-            reply = pack_tokens(flat, ends, first, n, batch, u32, rid, tail, limit)
-            out[i] = (jobs[i].job_id, "ok", reply) if reply is not None else self._general(jobs[i])
-            first += n
-
-    def _encode_long_batch(self, group: "_Group", job: PendingJob, member: tuple[int, list[str], bool, bytes],
-                           out: list) -> None:
-        """A batch of more than BATCH_STEP texts with a deadline, encoded BATCH_STEP texts at a time:
-        past its deadline it stops, with the error the general path's per-item check gives."""
-        i, texts, u32, rid = member
-        deadline = job.deadline()
-        parts, ends = [], array("Q", [0])
-        try:
-            for at in range(0, len(texts), BATCH_STEP):
-                if at and deadline is not None and time.monotonic() > deadline:
-                    error, code = self._error(rid, ProtocolError("timeout", f"the deadline passed after {at} items of the batch"))
-                    out[i] = (job.job_id, code, error)
-                    return
-                flat, offsets = group.model.tokenizer.encode_flat(texts[at:at + BATCH_STEP], add_special_tokens=group.add_special)
-                step = array("Q")
-                step.frombytes(offsets)
-                if not _LITTLE:  # pragma: no cover
-                    step.byteswap()
+                flat, offsets = model.tokenizer.encode_flat(texts[at:at + BATCH_STEP], add_special_tokens=add_special)
+                step = _u64s(offsets)
                 base = ends[-1]
                 ends.extend([base + e for e in step[1:]])
                 parts.append(flat)
-        except Exception:  # noqa: BLE001 - the general way names the error
-            out[i] = self._general(job)
-            return
+                loose += per_id * (len(flat) >> 2) + ITEM_OVERHEAD * (len(step) - 1)
+            if limit is not None and loose > limit:
+                break
         if not _LITTLE:  # pragma: no cover
             ends.byteswap()
-        reply = pack_tokens(b"".join(parts), ends.tobytes(), 0, len(texts), True, u32, rid, self._tail(), self.limits.max_reply_bytes)
-        out[i] = (job.job_id, "ok", reply) if reply is not None else self._general(job)
+        return parts[0] if len(parts) == 1 else b"".join(parts), ends.tobytes(), outcomes if cached else None
 
-    def _cached(self, job: PendingJob, model: Model, name: str | None, text: str | list[str], u32: bool,
-                add_special: bool, rid: bytes) -> tuple[int, str, bytes]:
-        """A plain tokenize of a model with caches: each text through the cache's packed entry point
-        (`encode_u32`), the reply written by `pack_tokens` with the request's `cache` map in its tail.
-        Once the budget's free bound (what `ReplyBudget` charges first) passes --max-reply-bytes, or
-        `pack_tokens` leaves the reply, `op_tokenize` finishes it from the texts encoded so far (none
-        twice), byte for byte what `_serve` gives; so does a batch that `_check_deadline` or the
-        --max-batch-items bound would look at."""
-        batch = type(text) is not str
-        texts: list[str] = cast("list[str]", text) if batch else [cast(str, text)]
-        if batch and (len(texts) > self.limits.max_batch_items or (len(texts) > 255 and job.budget_ms)):
-            reply, outcome = self._serve(_plain_request(name, text, u32, add_special, rid), len(job.payload),
-                                         deadline=job.deadline())
-            return job.job_id, outcome, reply
-        encode, limit, per_id = model.cache.encode_u32, self.limits.max_reply_bytes, 4 if u32 else 5
-        done: list[tuple[bytes, CacheOutcome]] = []
-        loose = count = hits = reused = 0
-        ends = [0]
-        try:
-            for t in texts:
-                packed, got = encode(t, add_special)
-                done.append((packed, got))
-                n = len(packed) >> 2
-                count += n
-                ends.append(count)
+    def _packed(self, plain: _Plain, flat: bytes, ends: bytes, first: int, outcomes: list[CacheOutcome] | None) -> bytes | None:
+        """The reply of a plain tokenize whose texts are `first`.. of `_encode`'s buffers, written by
+        `pack_tokens` (workers/_core.pyx) with the request's `cache` map; None when the reply budget
+        might refuse it (or `_encode` stopped short of its texts): then it is built the general way."""
+        batch = type(plain.text) is not str
+        n = len(plain.text) if batch else 1
+        if len(ends) // 8 - 1 < first + n:
+            return None
+        hits = reused = 0
+        if outcomes is not None:
+            for got in outcomes[first:first + n]:
                 hits += got.l0 == "hit"
                 reused += got.l1_reused_tokens
-                loose += per_id * n + ITEM_OVERHEAD
-                if loose > limit:
-                    break
-        except Exception as e:  # noqa: BLE001 - what op_tokenize's encode raises, answered as _serve does
-            reply, code = self._error(rid, e)
-            return job.job_id, code, reply
-        built: bytes | None = None
-        if loose <= limit:
-            l0 = "off" if not self.registry.l0_enabled else "hit" if hits == len(texts) and texts else "miss"
-            flat = done[0][0] if len(done) == 1 else b"".join([d[0] for d in done])
-            ends_b = array("Q", ends)
-            if not _LITTLE:  # pragma: no cover
-                ends_b.byteswap()
-            built = pack_tokens(flat, ends_b.tobytes(), 0, len(texts), batch, u32, rid,
-                                self._cache_tail(l0, reused), limit)
+        l0 = "off" if not self.registry.l0_enabled else "hit" if n and hits == n else "miss"
+        return pack_tokens(flat, ends, first, n, batch, plain.u32, plain.rid, self._cache_tail(l0, reused),
+                           self.limits.max_reply_bytes)
+
+    def _reply(self, plain: _Plain, flat: bytes, ends: bytes, first: int,
+               outcomes: list[CacheOutcome] | None) -> tuple[int, str, bytes]:
+        """(job id, outcome, reply) of a plain tokenize from `_encode`'s buffers: `_packed`, or, when
+        the reply budget might refuse it, `op_tokenize`'s reply from the texts encoded so far (none
+        twice), byte for byte what `_serve` gives."""
+        job = plain.job
+        built = self._packed(plain, flat, ends, first, outcomes)
         if built is not None:
             return job.job_id, "ok", built
-        reply, outcome = self._serve(_plain_request(name, text, u32, add_special, rid), len(job.payload),
-                                     deadline=job.deadline(),
-                                     fields=partial(self._tokenize_plain, model, text, add_special,
-                                                    "u32" if u32 else "list", done))
+        bounds = _u64s(ends)
+        n = len(plain.text) if type(plain.text) is not str else 1
+        done = [(flat[4 * bounds[k]:4 * bounds[k + 1]], OFF if outcomes is None else outcomes[k])
+                for k in range(first, min(first + n, len(bounds) - 1))]
+        fmt = "u32" if plain.u32 else "list"
+        reply, outcome = self._serve(_plain_request(plain.name, plain.text, plain.u32, plain.add_special, plain.rid),
+                                     len(job.payload), deadline=job.deadline(),
+                                     fields=partial(self._tokenize_plain, plain.model, plain.text, plain.add_special, fmt, done))
         return job.job_id, outcome, reply
 
     def _cache_tail(self, l0: str, reused: int) -> bytes:
@@ -341,14 +358,6 @@ class Ops:
             at = whole.index(b"\xb0l1_reused_tokens") + 17
             parts = self._cache_tails[l0] = (whole, whole[:at], whole[at + 1:])
         return parts[0] if not reused else parts[1] + msgpack.packb(reused) + parts[2]
-
-    def _tail(self) -> bytes:
-        """The last two fields of a cache-less model's tokenize reply, `cache` and `worker`, packed once."""
-        off = CacheTally(self.registry.l0_enabled).to_wire()
-        tail = self._tails.get(off["l0"])
-        if tail is None:
-            tail = self._tails[off["l0"]] = msgpack.packb({"cache": off, "worker": self.worker_name}, use_bin_type=True)[1:]
-        return tail
 
     def _capped(self, reply: bytes) -> bytes:
         """The reply, or ProtocolError too_large when it is over --max-reply-bytes."""
@@ -583,33 +592,30 @@ class Ops:
         return None
 
     def _large(self, job: PendingJob, span: tuple[int, int, int]) -> tuple[bytes, str] | Request:
-        """On the encode lane: read a payload over OFFLOAD_BYTES with a long `text` and, when it is a plain tokenize of a
-        cache-less model, encode it and build its reply; else the parsed request, which the round
-        loop serves (`_finish_large`). The round loop never holds the GIL long for such a payload:
-        up to PLAIN_READ_BYTES it is read by the compiled reader, beyond that its text is decoded in
-        1 MiB steps (`read_large`); the ids stay the engine's packed buffer, and `pack_tokens` writes
-        the reply without the GIL."""
-        plain = read_plain(bytes(job.payload)) if len(job.payload) <= PLAIN_READ_BYTES else None
-        if plain is not None:
-            text, name, u32, add_special, rid = plain
-            model = self._batch_model(name)
+        """On the encode lane: read a payload over OFFLOAD_BYTES with a long `text` and, when it is a
+        plain tokenize of one text for a cache-less model, encode it and write its reply (`_encode`,
+        `_packed`: the plain path); else the parsed request, which the round loop serves
+        (`_finish_large`; caches are the round thread's). The round loop never holds the GIL long for
+        such a payload: up to PLAIN_READ_BYTES it is read by the compiled reader, beyond that its text
+        is decoded in 1 MiB steps (`read_large`); the ids stay the engine's packed buffer, and
+        `pack_tokens` writes the reply without the GIL."""
+        if len(job.payload) <= PLAIN_READ_BYTES:
+            plain = self._read_plain(job, bytes(job.payload))
         else:
             try:
                 request = read_large(job.payload, span)
             except ProtocolError as e:
                 return self._error(raw_id(without_text(job.payload, span)), e)
-            model = self._plain_tokenize_model(request)
-            if model is None:
+            plain = self._as_plain(job, request)
+            if plain is None:
                 return request
-            text, u32, rid = request.payload["text"], request.tokens_format == "u32", request.raw_id
-            add_special = request.payload.get("add_special_tokens") is not False
-        if model is None or type(text) is not str:
+        if plain is None or plain.model.cache.enabled or type(plain.text) is not str:
             return read_large(job.payload, span)  # served on the round loop, which names any error
         try:
-            flat, ends = model.tokenizer.encode_flat([text], add_special_tokens=add_special)
+            flat, ends, _ = self._encode(plain.model, [plain.text], plain.add_special, None, None, 0)
         except Exception:  # noqa: BLE001 - a text the batch call refuses: served inline, which names the error
             return read_large(job.payload, span)
-        reply = pack_tokens(flat, ends, 0, 1, False, u32, rid, self._tail(), self.limits.max_reply_bytes)
+        reply = self._packed(plain, flat, ends, 0, None)
         return (reply, "ok") if reply is not None else read_large(job.payload, span)  # over budget: said on the round loop
 
     def _finish_large(self, job: PendingJob, done: Done) -> tuple[bytes, str] | None:

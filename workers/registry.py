@@ -22,6 +22,7 @@ from typing import Any, cast
 
 from tokenbroker.common.config import DEFAULT_ALIAS, EMBEDDED_DEFAULT, EMBEDDED_DEFAULT_NAME, CacheConfig, Limits, ModelConfig, ModelSpec
 from tokenbroker.common.errors import BootError, ProtocolError
+from tokenbroker.common.process import release_memory
 from tokenbroker.common.protocol import MAX_SPECIAL_TOKENS, ModelInfo
 
 from .cache import TokenCache
@@ -29,6 +30,7 @@ from .chat import ChatRenderer, ChatTemplates, discover_chat_templates, special_
 from .count.encodings import local_encoding, where_to_put
 from .stream import StreamDecoder
 from .tokenizer_map import TokenizerMap
+from .engine import EnginePlan, engine_limit
 from .tokenin import reference
 from .tokenizers import Tokenizer, load_tokenizer, wrap_encoding
 
@@ -48,6 +50,7 @@ class Model:
     templates: ChatTemplates | None
     _renderer: ChatRenderer | None = field(default=None, repr=False)
     _fingerprint: str | None = field(default=None, repr=False)
+    _tokenizer_fingerprint: str | None = field(default=None, repr=False)
     _decoder: StreamDecoder | None = field(default=None, repr=False)
 
     @property
@@ -57,16 +60,35 @@ class Model:
     def sharing(self, spec: ModelSpec) -> "Model":
         """Another name for this model's tokenizer, caches and templates (LOAD with `share`)."""
         return Model(spec=spec, tokenizer=self.tokenizer, cache=self.cache, templates=self.templates,
-                     _fingerprint=self._fingerprint, _decoder=self._decoder)
+                     _fingerprint=self._fingerprint, _tokenizer_fingerprint=self._tokenizer_fingerprint,
+                     _decoder=self._decoder)
+
+    def over(self, engine: "Model") -> "Model":
+        """This model served by `engine`'s tokenizer and caches (the same tokenizer fingerprint): its
+        own names, templates and fingerprint, and not one more engine or cache. A cached entry is
+        the tokenizer's ids, whatever the model: it serves every model over that tokenizer."""
+        return Model(spec=self.spec, tokenizer=engine.tokenizer, cache=engine.cache, templates=self.templates,
+                     _fingerprint=self.fingerprint, _tokenizer_fingerprint=self.tokenizer_fingerprint)
 
     @property
     def fingerprint(self) -> str:
         """The hex SHA-256 of all that can change an id or a prompt (workers/fingerprint.py), computed once."""
         if self._fingerprint is None:
-            from .fingerprint import model_fingerprint  # hashes the whole vocabulary: only when first asked
+            self._hash()
+        return cast(str, self._fingerprint)
 
-            self._fingerprint = model_fingerprint(self.tokenizer, self.templates)
-        return self._fingerprint
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        """The fingerprint of its tokenizer alone (no chat template): models that share it share one
+        engine and one pair of caches (ModelRegistry.engine_for)."""
+        if self._tokenizer_fingerprint is None:
+            self._hash()
+        return cast(str, self._tokenizer_fingerprint)
+
+    def _hash(self) -> None:
+        from .fingerprint import fingerprints  # hashes the whole vocabulary: only when first asked
+
+        self._fingerprint, self._tokenizer_fingerprint = fingerprints(self.tokenizer, self.templates)
 
     def renderer(self) -> ChatRenderer:
         """The compiled chat template, built on first use and kept."""
@@ -106,7 +128,7 @@ class Model:
         return ModelInfo(kind=t.kind[:64], vocab_size=t.vocab_size, special_tokens=specials,
                          chat_template=self.templates is not None, cached=self.cache.enabled,
                          source=t.description[:1024], backend=t.backend, chat_renderer=self.chat_renderer()[:256],
-                         **bounded)
+                         tokenizer=self.tokenizer_fingerprint, **bounded)
 
     def describe(self) -> dict:
         t = self.tokenizer
@@ -206,17 +228,18 @@ class ModelRegistry:
         self._map = TokenizerMap(config.tokenizer_map)
         self._extras: dict[str, Model | None] = {}
         self._extras_lock = threading.Lock()
+        self._plan: EnginePlan | None = None  # made in the serving process, at its first place_engines
 
     def preload(self) -> int:
         """The template, before it forks (workers/zygote.py): load, dormant, every configured model
         that the cap left out, so every forked worker can wake any of them without a load. Returns
         how many distinct tokenizers that added."""
-        held = {m.fingerprint for m in self.models}
+        held = {m.tokenizer_fingerprint for m in self.models}
         for spec in self._config.models:
             if self.get(spec.name) is None and spec.name not in self.dormant:
                 self.dormant[spec.name] = self._once(load_model(spec, self._config.cache))
         self._resident = {m.name: m for m in (*self.models, *self.dormant.values())}
-        return len({m.fingerprint for m in self.dormant.values()} - held)
+        return len({m.tokenizer_fingerprint for m in self.dormant.values()} - held)
 
     def wake(self, spec: ModelSpec) -> Model | None:
         """Serve a dormant model now (main thread), if one was loaded from this very spec: the LOAD
@@ -229,19 +252,29 @@ class ModelRegistry:
         return model
 
     def _once(self, model: Model) -> Model:
-        """A startup model whose tokenizer another one already loaded (same fingerprint: two names
-        for one file, or copies of it) is served by that one, as a B_LOAD would: one copy held."""
-        fingerprint = model.fingerprint
-        twin = self.twin(fingerprint) or next((m for m in self.dormant.values() if m.fingerprint == fingerprint), None)
+        """A startup model whose tokenizer another one already loaded (same tokenizer fingerprint: two
+        names for one file, copies of it, other chat templates over it) is served by that one's
+        engine and caches, as a B_LOAD would: one copy held."""
+        shared = self.engine_for(model)
+        if shared is model:
+            return model
+        del model
+        release_memory()
+        return shared
+
+    def engine_for(self, model: Model) -> Model:
+        """`model`, or `model` over the tokenizer and caches of a held model (loaded or dormant) with its
+        tokenizer fingerprint: one engine and one pair of L0/L1 caches per distinct tokenizer."""
+        fingerprint = model.tokenizer_fingerprint
+        twin = next((m for m in (*self.models, *self.dormant.values())
+                     if m.tokenizer_fingerprint == fingerprint and m.tokenizer is not model.tokenizer), None)
         if twin is None:
             return model
-        log.info("model %s: served with the tokenizer of model %s (same fingerprint)", model.name, twin.name)
-        spec = model.spec
-        del model
-        from .loader import release_memory  # loader.py imports this module
-
-        release_memory()
-        return twin.sharing(spec)
+        if twin.fingerprint == model.fingerprint:  # the very same model under another name: templates too
+            log.info("model %s: served with the tokenizer of model %s (same fingerprint)", model.name, twin.name)
+            return twin.sharing(model.spec)
+        log.info("model %s: served by the engine and caches of model %s (same tokenizer)", model.name, twin.name)
+        return model.over(twin)
 
     @property
     def l0_enabled(self) -> bool:
@@ -259,6 +292,31 @@ class ModelRegistry:
     def backend_mode(self) -> str:
         """--tokenizer-backend: auto, fast or reference (workers/engine.py)."""
         return self._config.backend
+
+    def place_engines(self) -> None:
+        """Main thread (the serving thread), whenever the fast engines served change (a switch, a wake,
+        an unload, the start before READY): each new engine goes where it will encode, at most
+        engine_limit() on the serving thread and the rest on threads of their own (workers/engine.py
+        EnginePlan), and is warmed there. Never in the template (no thread survives a fork)."""
+        if self.backend_mode == "reference":
+            return
+        engines = {id(m.tokenizer.fast): m.tokenizer.fast for m in self.models if m.tokenizer.fast is not None}
+        if self._plan is None:
+            if not engines:
+                return
+            self._plan = EnginePlan(engine_limit())
+        self._plan.place(engines.values())
+
+    @property
+    def engine_limit(self) -> int:
+        """What READY tells placement: the fast engines one serving thread holds (0 under
+        --tokenizer-backend reference, where there is none)."""
+        return 0 if self.backend_mode == "reference" else engine_limit()
+
+    def engines(self) -> dict[str, int]:
+        """What heartbeats carry of the fast engines: the per-thread limit, the engines served, and
+        the threads of their own serving those beyond it (all 0 before the first fast engine)."""
+        return self._plan.report() if self._plan is not None else {"limit": 0, "fast": 0, "threads": 0}
 
     def backends(self) -> dict[str, str]:
         """Model name -> the library that encodes it now; heartbeats carry it, as the switch to the
@@ -281,13 +339,9 @@ class ModelRegistry:
         return model
 
     def tokenizers(self) -> int:
-        """How many distinct tokenizers are loaded: names of one fingerprint count once, as the
-        broker counts a worker's models against --max-models-per-worker."""
-        return len({m.fingerprint for m in self.models})
-
-    def twin(self, fingerprint: str) -> Model | None:
-        """A loaded model with this fingerprint (the same tokenizer, template and options), if any."""
-        return next((m for m in self.models if m.fingerprint == fingerprint), None)
+        """How many distinct tokenizers (engines) are loaded: models of one tokenizer fingerprint
+        count once, as the broker counts a worker's models against --max-models-per-worker."""
+        return len({m.tokenizer_fingerprint for m in self.models})
 
     def get(self, name: str) -> Model | None:
         """The loaded model with this exact name (not an alias), or None."""

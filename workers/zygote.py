@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from tokenbroker.common.process import (
@@ -38,15 +39,19 @@ from tokenbroker.common.process import (
     ZYGOTE_FORKED,
     ZYGOTE_LOADED,
     drain_pipe,
+    release_memory,
+    signal_process,
     thread_count,
 )
 
 from .config import WorkerConfig
 from .engine import pack_ranks, speed_up
-from .loader import release_memory, serve_fast
+from .loader import serve_fast
 from .registry import ModelRegistry
 
 log = logging.getLogger(__name__)
+
+ServeFn = Callable[[WorkerConfig, ModelRegistry], int]  # serves as a worker with the models loaded; returns the exit code
 
 SETTLE_WAIT_S = 120.0  # how long the template waits for its threads (a background load) to end before forking
 STOP_GRACE_S = 10.0  # after stdin closes, workers that have not left by then are killed
@@ -56,10 +61,11 @@ POLL_S = 1.0  # the longest the loop sleeps: SIGCHLD and stdin wake it sooner
 class Zygote:
     """One template process: `run` forks workers on command until stdin closes, then stops them."""
 
-    def __init__(self, config: WorkerConfig, registry: ModelRegistry) -> None:
+    def __init__(self, config: WorkerConfig, registry: ModelRegistry, serve: ServeFn) -> None:
         assert config.zygote_fd is not None
         self.config = config
         self.registry = registry
+        self.serve = serve  # what a forked worker runs (workers/main.py `run`): given, so this module need not import main
         self.report_fd = config.zygote_fd
         self.children: set[int] = set()
         self.closing_at: float | None = None  # when stdin closed
@@ -155,7 +161,7 @@ class Zygote:
             if self.closing_at is not None and time.monotonic() - self.closing_at > STOP_GRACE_S:
                 for pid in self.children:
                     log.warning("worker pid %d did not stop in %.0fs: killing it", pid, STOP_GRACE_S)
-                    _kill(pid, signal.SIGKILL)
+                    signal_process(pid, signal.SIGKILL)
                 self.closing_at = time.monotonic()  # and wait for their exits
         return 0
 
@@ -182,7 +188,7 @@ class Zygote:
             return
         self.closing_at = time.monotonic()
         for pid in self.children:
-            _kill(pid, signal.SIGTERM)
+            signal_process(pid, signal.SIGTERM)
 
     def _reap(self) -> None:
         while self.children:
@@ -230,13 +236,4 @@ class Zygote:
         os.dup2(devnull, 0)
         os.close(devnull)
         os.environ[PARENT_PID_ENV] = str(os.getppid())  # it leaves when the template is gone
-        from .main import run
-
-        return run(replace(self.config, name=name, zygote_fd=None), self.registry)
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
+        return self.serve(replace(self.config, name=name, zygote_fd=None), self.registry)

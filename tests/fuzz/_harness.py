@@ -17,6 +17,13 @@ Run one by hand for minutes:  .venv/bin/python tests/fuzz/fuzz_wire.py -max_tota
 (any libFuzzer flag works: -runs=N, -seed=S, -jobs; a folder given last is the corpus to grow).
 tests/test_fuzz.py runs every target for a bounded number of inputs, and replays its seeds.
 
+A slow path is a finding as a crash is: `bounded` (which `run` and the suite's replay put around
+every target) fails an input under BOUNDED_BELOW bytes that costs more than TIME_BOUND_S of CPU or
+raises the process's peak RSS by more than MEMORY_BOUND (a hostile frame that makes the broker
+walk, allocate or raise per element is caught here, not in production). CPU time of this thread,
+not wall time: a loaded machine does not fail an input. The garbage collector is held off during
+an input (its pauses belong to no input) and runs between them.
+
 Coverage: atheris instruments the Python code (the generators, the oracle's branches); the Cython
 core is compiled by gcc without libFuzzer's coverage hooks, so the search is guided by the shape
 of the generated values, not by the core's branches. That is why the generators build values
@@ -26,13 +33,54 @@ that lie) instead of leaving the structure to blind byte flips.
 
 from __future__ import annotations
 
+import gc
 import inspect
+import resource
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+
+TIME_BOUND_S = 0.050  # CPU seconds one input may cost
+MEMORY_BOUND = 50 * 2**20  # bytes one input may add to the process's peak RSS
+BOUNDED_BELOW = 64 * 1024  # inputs shorter than this are bounded (libFuzzer's default -max_len is 4,096)
+
+
+class Overrun(AssertionError):
+    """An input cost more CPU or memory than the bound: a slow path, reported as a crash is."""
+
+
+def bounded(fuzz_one: Callable[[bytes], None]) -> Callable[[bytes], None]:
+    """`fuzz_one` failing (Overrun) on an input under BOUNDED_BELOW bytes that costs more than
+    TIME_BOUND_S of CPU or grows the peak RSS by more than MEMORY_BOUND. The peak is the kernel's
+    (ru_maxrss): it sees what the compiled code allocates, which tracemalloc would not, for the
+    price of one system call."""
+
+    def one(data: bytes) -> None:
+        enabled = gc.isenabled()
+        gc.disable()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        start = time.thread_time()
+        try:
+            fuzz_one(data)
+        finally:
+            spent = time.thread_time() - start
+            grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) * 1024
+            if enabled:
+                gc.enable()
+        if len(data) < BOUNDED_BELOW:
+            if spent > TIME_BOUND_S:
+                raise Overrun(f"an input of {len(data)} bytes cost {spent * 1000:.0f} ms of CPU "
+                              f"(bound {TIME_BOUND_S * 1000:.0f} ms): a slow path")
+            if grown > MEMORY_BOUND:
+                raise Overrun(f"an input of {len(data)} bytes grew the peak RSS by {grown / 2**20:.0f} MiB "
+                              f"(bound {MEMORY_BOUND / 2**20:.0f} MiB)")
+
+    return one
 
 
 class Choices:
@@ -81,16 +129,25 @@ def _instrument(atheris: Any, target: ModuleType) -> None:
                 atheris.instrument_func(obj)
 
 
+def warm(fuzz_one: Callable[[bytes], None], seeds: list[bytes]) -> None:
+    """Run each seed once unbounded: the first calls pay for imports and caches no input causes."""
+    for seed in seeds:
+        fuzz_one(seed)
+
+
 def run(fuzz_one: Callable[[bytes], None], seeds: Callable[[], list[bytes]]) -> None:
-    """libFuzzer's main over `fuzz_one`, the seeds written to a temporary corpus folder (after any
-    folder named on the command line, which is the one libFuzzer adds new inputs to)."""
+    """libFuzzer's main over `fuzz_one` under the per-input bound (`bounded`), the seeds written to a
+    temporary corpus folder (after any folder named on the command line, which is the one libFuzzer
+    adds new inputs to)."""
     import atheris
 
     argv = list(sys.argv)
     seed_dir = Path(tempfile.mkdtemp(prefix="tb-fuzz-seeds-"))
-    for i, seed in enumerate(seeds()):
+    starting = seeds()
+    for i, seed in enumerate(starting):
         (seed_dir / f"seed-{i:04d}").write_bytes(seed)
     argv.append(str(seed_dir))
     _instrument(atheris, sys.modules[fuzz_one.__module__])
-    atheris.Setup(argv, fuzz_one)
+    warm(fuzz_one, starting)
+    atheris.Setup(argv, bounded(fuzz_one))
     atheris.Fuzz()

@@ -11,7 +11,8 @@ reserved ext types, 0xc1, and (where `Choices.lies`) headers whose length claims
 - `array_head(c, n)` + n requests: a contract-1.2 array;
 - `nested(c)`: containers of one item, up to 1,200 deep, under map keys or in arrays;
 - `reference(wire, pos)`: msgpack's verdict on the value at pos, ("ok", end, value) or
-  ("refused", 0, error); `nesting_depth(value)`: the most non-empty containers on one path of it.
+  ("refused", 0, error), maps read as `Pairs`; `nesting_depth(value)`: the most non-empty
+  containers on one path of it.
 """
 
 from __future__ import annotations
@@ -143,21 +144,29 @@ def nested(c: Choices) -> bytes:
     return b"".join(heads) + any_value(c, 11)
 
 
+class Pairs(list):
+    """A map as `reference` reads it: its (key, value) pairs in order, a repeated key kept. A type of
+    its own, so that `nesting_depth` never takes an array of tuples (an ExtType is one) for a map."""
+
+
 def nesting_depth(value: object) -> int:
-    """The most non-empty containers on one path of a value msgpack decoded (maps as lists of
-    (key, value) tuples, arrays as lists): the depth the skipper counts. Iterative (values reach
-    1024 deep, Python's recursion limit is 1000)."""
+    """The most non-empty containers on one path of a decoded value (maps as `Pairs` or dicts,
+    arrays as lists or tuples; an ExtType is a leaf): the depth the skipper counts. Iterative
+    (values reach 1024 deep, Python's recursion limit is 1000)."""
     best = 0
     stack = [(value, 0)]
     while stack:
         v, d = stack.pop()
-        if isinstance(v, list) and v:
-            d += 1
-            best = max(best, d)
-            if isinstance(v[0], tuple):
-                stack.extend((x, d) for pair in v for x in pair)
-            else:
-                stack.extend((x, d) for x in v)
+        if isinstance(v, msgpack.ExtType) or not isinstance(v, (list, tuple, dict)) or not v:
+            continue
+        d += 1
+        best = max(best, d)
+        if isinstance(v, Pairs):
+            stack.extend((x, d) for pair in v for x in pair)
+        elif isinstance(v, dict):
+            stack.extend((x, d) for pair in v.items() for x in pair)
+        else:
+            stack.extend((x, d) for x in v)
     return best
 
 
@@ -169,7 +178,7 @@ def _ext_value(code: int, data: bytes) -> bytes:
 
 def reference(wire: bytes, pos: int) -> tuple[str, int, object]:
     """msgpack's reading of the value at `pos`: ("ok", end, value) or ("refused", 0, the error)."""
-    unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, object_pairs_hook=list, use_list=True,
+    unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, object_pairs_hook=Pairs, use_list=True,
                                 ext_hook=_ext_value, max_buffer_size=max(len(wire), 1))
     unpacker.feed(wire[pos:])
     try:

@@ -1,0 +1,6 @@
+"""Typed stub of the compiled framer (_frames.pyx): see its docstring."""
+
+from ._calls import Call
+
+def frames(calls_out: list[Call | None], payloads: list[bytes | None], pending: dict[int, Call], max_calls: int,
+           max_bytes: int, now: float) -> list[bytes]: ...

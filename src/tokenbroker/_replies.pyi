@@ -1,0 +1,9 @@
+"""Typed stub of the compiled reader (_replies.pyx): see its docstring."""
+
+from typing import Any
+
+from ._calls import Call
+
+def unpack(data: bytes) -> Any: ...
+def build(cls: type, values: tuple[Any, ...]) -> Any: ...
+def settle(payload: bytes, calls: dict[int, Call], odd: list[tuple[Any, Any]]) -> int: ...
