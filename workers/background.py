@@ -11,6 +11,10 @@ finishes the job (encode, reply) on its own thread, where the caches live.
 
 Each lane keeps its order: renders go one at a time to the one render child, with their budgets, as before.
 
+A lane thread that runs Python (a count harvesting a provider body, workers/count_lane.py) holds
+the GIL between the round thread's turns: the process's switch interval is LANE_SWITCH_S, so the
+round thread has it back within a millisecond of asking, not CPython's five.
+
 A lane has a watchdog (`watch`, called by the worker every turn of its loop): a call still running
 WATCH_GRACE_S past its job's deadline is given up on. Its job is answered at once (the worker sends
 `timeout`: the broker has answered it already, and gets the job's slot back), the call is cancelled
@@ -25,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -36,6 +41,12 @@ from tokenbroker.common.process import drain_pipe
 log = logging.getLogger(__name__)
 
 WATCH_GRACE_S = 1.0  # a call may run this long past its job's deadline before the lane gives up on it
+# How long a lane's thread may keep the GIL while the round thread waits for it. The round thread
+# lets the GIL go at every poll, frame received or sent and batch encode, and a lane running Python
+# (a count's harvest) takes it each time: at CPython's 5 ms the round thread had it back after p50
+# 5.2 ms, p99 55 ms, and a small request pays that several times a round; at 1 ms, p50 0.6 ms,
+# p99 15 ms (scripts/bench_lanes, in process). The lane pays a switch a millisecond, microseconds each.
+LANE_SWITCH_S = 0.001
 
 
 @dataclass(slots=True)
@@ -76,6 +87,7 @@ class Lane:
         self._running: _Running | None = None
         self.wedged = 0  # threads given up on that are still inside their call
         self.replaced = 0  # threads given up on, ever
+        sys.setswitchinterval(LANE_SWITCH_S)  # see LANE_SWITCH_S
         self._start()
 
     def _start(self) -> None:
