@@ -91,3 +91,30 @@ def test_the_fast_engine_is_warmed_on_the_serving_thread_before_ready() -> None:
         joined = next(i for i, line in enumerate(lines) if "joined (pid" in line)
         assert warmed < joined, lines
         assert "1 on the serving thread" in lines[warmed]
+
+
+def test_placement_gives_a_worker_no_more_tokenizers_than_its_engine_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """READY carries the worker's engine limit and placement keeps to it under the cap: with one fast
+    engine a thread (a kept verdict) and --max-models-per-worker 2, two workers serve two tokenizers
+    one each, none on a thread of its own, and both are exact."""
+    monkeypatch.setenv(engine.ENGINE_CACHE_ENV, str(tmp_path / "verdicts"))
+    engine.write_verdict("limit", {"limit": 1})
+    byte_level = tmp_path / "bytes"
+    byte_level.mkdir()
+    (byte_level / "tokenizer.json").write_text(engine._probe_json())
+    sources = {"a": str(LSTRIP_DIR), "bytes": str(byte_level)}
+    flags = [f for name, source in sources.items() for f in ("--model", f"{name}={source}")]
+    with serving(*flags, "--tokenizer-backend", "auto", "--max-models-per-worker", "2",
+                 "--metrics-port", str(free_port()), workers=2) as (broker, c):
+        for _ in range(3):
+            for model, source in sources.items():
+                assert c.call("tokenize", model=model, text=TEXT)["tokens"] == load_tokenizer(source).encode(TEXT)
+
+        def placed() -> dict | None:
+            samples = scrape(broker.metrics)
+            fast = series(samples, "tokenbroker_worker_fast_engines")
+            threads = series(samples, "tokenbroker_worker_engine_threads")
+            return {"fast": sorted(fast.values()), "threads": sorted(threads.values())} if len(fast) == 2 else None
+
+        assert wait_until(placed, what="two workers' engine gauges") == {"fast": [1, 1], "threads": [0, 0]}
+        assert {m["name"]: m["workers"] for m in c.call("models")["models"]} == {"a": 1, "bytes": 1}
