@@ -23,7 +23,15 @@ ROOT = Path(__file__).resolve().parent
 # (module, source): the package-dir mapping of pyproject.toml, applied by hand (Extension needs paths).
 CORES = [
     ("tokenbroker.common._wire", "common/_wire.pyx"),
-    ("tokenbroker.broker._core", "broker/_core.pyx"),
+    # the broker's cores, one per concern (their .pxd files say what each shares)
+    ("tokenbroker.broker._peek", "broker/_peek.pyx"),
+    ("tokenbroker.broker._routekey", "broker/_routekey.pyx"),
+    ("tokenbroker.broker._jobs", "broker/_jobs.pyx"),
+    ("tokenbroker.broker._batches", "broker/_batches.pyx"),
+    ("tokenbroker.broker._router", "broker/_router.pyx"),
+    ("tokenbroker.broker._dispatch", "broker/_dispatch.pyx"),
+    ("tokenbroker.broker._counters", "broker/_counters.pyx"),
+    ("tokenbroker.broker._intake", "broker/_intake.pyx"),
     ("tokenbroker.workers._core", "workers/_core.pyx"),
     ("tokenbroker.workers.cache._cache", "workers/cache/_cache.pyx"),
     ("tokenbroker._packer", "src/tokenbroker/_packer.pyx"),

@@ -41,7 +41,8 @@ from tokenbroker.common.protocol import (
     Ready,
 )
 
-from ._core import Job, check_results, job_batch
+from ._batches import check_results, job_batch
+from ._jobs import Job
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class Joined:
 @dataclass(frozen=True)
 class Results:
     """A W_RESULTS batch, checked (its records agree with its payload frame): the loop's compiled
-    intake walks it (broker/_core.pyx `Intake.results`), no object per result built here."""
+    intake walks it (broker/_intake.pyx `Intake.results`), no object per result built here."""
 
     wid: bytes
     header: bytes  # RESULT records (common/protocol.py): job id, outcome, reply bytes
@@ -280,7 +281,7 @@ class Backend:
 
     def send_jobs(self, wid: bytes, jobs: list[Job], now: float) -> None:
         """Send jobs to `wid`, at most MAX_BATCH_JOBS and BATCH_BYTES a message; each job's budget is
-        what is left of its deadline at `now` (the records built in the core, broker/_core.pyx)."""
+        what is left of its deadline at `now` (the records built in the core, broker/_batches.pyx)."""
         start = 0
         while start < len(jobs):
             start, header, blob = job_batch(jobs, now, start, MAX_BATCH_JOBS, BATCH_BYTES)

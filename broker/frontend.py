@@ -2,7 +2,7 @@
 
 The broker reads only what it routes by: the common fields (`id`, `op`, `model`, `deadline_ms`,
 `affinity`, `tokens_format`) and where the op's input lies in the payload, so a routing key can
-hash its first bytes. The compiled core (broker/_core.pyx: `peek_request`, `peek_array`) walks
+hash its first bytes. The compiled reader (broker/_peek.pyx: `peek_request`, `peek_array`) walks
 the frame in place, jumping over every other value by its length, so a 32 MiB text costs the loop
 neither a copy nor a decode; the worker validates the rest and answers `bad_request` itself. The
 raw payload goes to the worker untouched.
@@ -26,7 +26,8 @@ import zmq
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import NIL, Envelope, error_reply
 
-from ._core import Peek, add_reply, peek_array, peek_request, send_replies
+from ._intake import add_reply, send_replies
+from ._peek import Peek, peek_array, peek_request
 from .oversized import id_in_place
 
 __all__ = ["Frontend", "Peek", "Peer", "peek_array", "peek_request", "split_envelope"]
@@ -91,7 +92,7 @@ class Frontend:
         array's Peeks, those the broker refuses with their `code` set (the loop answers those
         first); None when the frontend answered the message here with an error.
         An empty array is nothing, and gets no reply. The loop hands it to its compiled intake
-        (broker/_core.pyx `Intake.take`) as it is: no object per request is built here.
+        (broker/_intake.pyx `Intake.take`) as it is: no object per request is built here.
 
         None when nothing is waiting.
         """
@@ -154,13 +155,14 @@ class Frontend:
         reply goes as its map); any other gets each reply alone, as in 1.1.
         `holding`: the connections that still have requests held; the others stop being array
         speakers here (they say so again with their next array), so the set stays small."""
-        if self.outbox:  # the loop over the replies is compiled (broker/_core.pyx `send_replies`)
+        if self.outbox:  # the loop over the replies is compiled (broker/_intake.pyx `send_replies`)
             send_replies(self.sock, self.outbox, self.arrays, holding, _raw_send, _PACKER.pack_array_header,
                          REPLY_FRAME_BYTES, _NOBLOCK_MORE, _NOBLOCK, _COPY_THRESHOLD)
 
     def refuse(self, envelope: Envelope, peek: Peek) -> None:
         """Answer a request the core refused (an array's element: its `code` and `message` set,
         no exception built for it)."""
+        assert peek.code is not None and peek.message is not None, peek
         self.reply(envelope, error_reply(peek.raw_id, peek.code, peek.message))
 
     def fail(self, envelope: Envelope, raw_id: bytes, error: ProtocolError) -> None:

@@ -23,12 +23,15 @@ import zmq
 
 from tokenbroker import __version__
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import ADMIN_OPS, NIL, W_BYE, Envelope, ok_reply, req, unpack
+from tokenbroker.common.protocol import ADMIN_OPS, CATALOG_OPS, MODEL_OPS, NIL, W_BYE, Envelope, ok_reply, req, unpack
 
 from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
 from .catalog import FAILED, LOADING, WORKER, Catalog, Entry, add_model_spec, served_backends
 from .config import BrokerConfig
-from ._core import Dispatcher, Intake, Job, JobTable, Router
+from ._dispatch import Dispatcher
+from ._intake import Intake
+from ._jobs import Job, JobTable
+from ._router import Router
 from .frontend import Frontend, Peek, Peer
 from .metrics import LATENCY_BUCKETS, PoolMetrics
 from .placement import Load, Placement
@@ -41,9 +44,7 @@ FRONTEND_BATCH = 4096  # messages read per turn (a full drain, bounded so the ba
 FRONTEND_BATCH_BYTES = 64 * 1024 * 1024  # and payload bytes read per turn
 PUBLISH_EVERY_S = 0.1  # the exporter's view of the pool is at most this old
 SHUTDOWN_GRACE_S = 10.0
-MODEL_OPS = frozenset({"tokenize", "detokenize", "chat", "detokenize_stream"})  # `model` names a served model
-CATALOG_OPS = frozenset({"models", *ADMIN_OPS})  # answered by the broker from its catalog
-MEMO_MAX = 1024  # model names the intake remembers resolved (broker/_core.pyx `Intake.models`)
+MEMO_MAX = 1024  # model names the intake remembers resolved (broker/_intake.pyx `Intake.models`)
 MEMO_NAME_CHARS = 256  # and the longest it remembers (a longer name takes the loop's path each time)
 REAP_EVERY_S = 0.02  # children are looked at this often, and at once on SIGCHLD (fork mode: the template reports)
 PLAN_EVERY_S = 0.05  # placement looks again this often while requests queue (else once a second)

@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from tokenbroker.common.process import proportional_bytes, resident_bytes
 
-from ._core import count_request
+from ._counters import count_request
 from .catalog import backend_counts
 from .snapshot import ModelView, PoolSnapshot, WorkerView
 

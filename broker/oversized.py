@@ -17,8 +17,7 @@ b'\\xc0'
 
 from __future__ import annotations
 
-import msgpack
-
+from tokenbroker.common._wire import id_problem
 from tokenbroker.common.protocol import NIL
 
 MAX_STEPS = 4096  # MessagePack values walked over before giving up on the id
@@ -96,11 +95,7 @@ def id_in_place(view: memoryview) -> bytes:
 
 
 def _checked_id(raw: bytes) -> bytes:
-    """The id as it came when it is a type ids may have (nil, bool, int, float, str, bin), else nil."""
+    """The id as it came when a reply may echo it (common/_wire.pxd states which), else nil."""
     if len(raw) > MAX_ID_BYTES:
         return NIL
-    try:
-        value = msgpack.unpackb(raw, raw=False)
-    except Exception:  # not valid MessagePack, or a str that is not UTF-8
-        return NIL
-    return raw if value is None or type(value) in (bool, int, float, str, bytes) else NIL
+    return raw if id_problem(raw) is None else NIL

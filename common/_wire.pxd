@@ -6,6 +6,7 @@
 # In a core: `from tokenbroker.common._wire cimport Head, read_head, skip, K_STR, W_OK` (setup.py's
 # include tree maps the installed names to the sources). The writer is common/_pack.pxd.
 
+from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.string cimport memcpy
 
 cdef enum Kind:
@@ -281,3 +282,85 @@ cdef inline bint utf8_valid(const unsigned char* s, Py_ssize_t n) noexcept nogil
         else:
             return False
     return True
+
+
+# --- the backend's batch records -------------------------------------------------------------------
+# B_JOBS and W_RESULTS (common/protocol.py) carry one fixed record per job, little-endian, packed,
+# then the payloads concatenated. This is the one statement of their layout: the cores read and
+# write records at these offsets (get_le, put_le), and common/protocol.py builds its struct.Struct
+# from the fields _wire.pyx exports (JOB_FIELDS, RESULT_FIELDS).
+cdef enum:
+    JOB_ID_AT = 0          # u64: the broker's job id
+    JOB_BUDGET_AT = 8      # u32: the time left of the request's deadline, in ms
+    JOB_SIZE_AT = 12       # u32: the request's payload bytes
+    JOB_BYTES = 16
+    RESULT_ID_AT = 0       # u64: the job id, as received
+    RESULT_OUTCOME_AT = 8  # u8: an index into common/protocol.py OUTCOMES
+    RESULT_SIZE_AT = 9     # u32: the reply's bytes
+    RESULT_BYTES = 13
+
+
+# --- which request ids a reply echoes --------------------------------------------------------------
+# Contract, "Request fields": an `id` is nil, bool, int, float, str or bin, echoed untouched; a
+# list, a map or an ext is a bad_request, answered with id nil (and a str must be valid UTF-8, as
+# everywhere). Told from the id value's first byte, with only a str's bytes checked. The one
+# statement of the rule: the broker's core cimports `id_fault`, common/protocol.py and
+# broker/oversized.py call _wire.pyx's `id_problem`, and a worker's core cimports `id_fault` too.
+cdef enum IdKind:
+    ID_ECHOED = 0  # nil, bool, int, float, bin: echoed as they came
+    ID_STR = 1     # echoed when its bytes are valid UTF-8
+    ID_LIST = 2
+    ID_MAP = 3
+    ID_EXT = 4
+
+
+cdef inline bint is_map_head(unsigned char b) noexcept nogil:
+    """Whether a value that starts with this byte is a map (fixmap, map 16/32)."""
+    return (0x80 <= b <= 0x8F) or b == 0xDE or b == 0xDF
+
+
+cdef inline bint is_array_head(unsigned char b) noexcept nogil:
+    """Whether a value that starts with this byte is an array (fixarray, array 16/32)."""
+    return (0x90 <= b <= 0x9F) or b == 0xDC or b == 0xDD
+
+
+cdef inline IdKind id_kind(unsigned char b) noexcept nogil:
+    """What kind of id a value is, from its first byte (the value is known to be well formed)."""
+    if is_array_head(b):
+        return ID_LIST
+    if is_map_head(b):
+        return ID_MAP
+    if (0xC7 <= b <= 0xC9) or (0xD4 <= b <= 0xD8):
+        return ID_EXT
+    if (0xA0 <= b <= 0xBF) or (0xD9 <= b <= 0xDB):
+        return ID_STR
+    return ID_ECHOED
+
+
+cdef inline str utf8_fault(const unsigned char* s, Py_ssize_t n):
+    """The bad_request message for a str whose n bytes are not valid UTF-8, in Python's own words
+    (as msgpack's decode would say it)."""
+    try:
+        PyUnicode_DecodeUTF8(<const char*>s, n, NULL)
+        reason = "invalid UTF-8"
+    except UnicodeDecodeError as e:
+        reason = e.reason
+    return f"payload holds a str that is not valid UTF-8: {reason}"
+
+
+cdef inline str id_fault(const unsigned char* p, Py_ssize_t n):
+    """Why the id value in p[0:n] (one whole value) may not be echoed, or None when it is."""
+    cdef Head h
+    cdef Py_ssize_t pos = 0
+    cdef IdKind kind
+    if n <= 0:
+        return None
+    kind = id_kind(p[0])
+    if kind == ID_ECHOED:
+        return None
+    if kind == ID_STR:
+        if read_head(p, n, &pos, &h) != W_OK or utf8_valid(p + pos, h.length):
+            return None
+        return utf8_fault(p + pos, h.length)
+    return ("field 'id' must be nil, bool, int, float, str or bin, got "
+            + ("list" if kind == ID_LIST else "map" if kind == ID_MAP else "ext"))

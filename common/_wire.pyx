@@ -14,9 +14,16 @@ target and Python callers that need a bounded skip.
 """
 
 from tokenbroker.common._wire cimport (WIRE_MAX_DEPTH, W_TRUNCATED, W_INVALID, W_TOO_DEEP, W_TOO_LONG,
-                           skip)
+                           skip, id_fault, JOB_ID_AT, JOB_BUDGET_AT, JOB_SIZE_AT, JOB_BYTES, RESULT_ID_AT,
+                           RESULT_OUTCOME_AT, RESULT_SIZE_AT, RESULT_BYTES)
 
 MAX_DEPTH = WIRE_MAX_DEPTH  # no caller may ask for a deeper bound than this
+
+# The batch records' layout (_wire.pxd holds it): (offset, bytes) of each field, in order.
+JOB_FIELDS = ((JOB_ID_AT, 8), (JOB_BUDGET_AT, 4), (JOB_SIZE_AT, 4))
+RESULT_FIELDS = ((RESULT_ID_AT, 8), (RESULT_OUTCOME_AT, 1), (RESULT_SIZE_AT, 4))
+JOB_RECORD_BYTES = JOB_BYTES
+RESULT_RECORD_BYTES = RESULT_BYTES
 
 
 class WireError(ValueError):
@@ -44,3 +51,11 @@ def skip_value(const unsigned char[::1] data, Py_ssize_t pos=0, int max_depth=64
     if at < 0:
         raise WireError(FAULTS[at], pos)
     return at
+
+
+def id_problem(const unsigned char[::1] raw_id) -> str | None:
+    """Why an `id` value (its MessagePack bytes, one whole value) may not be echoed, or None: the
+    rule _wire.pxd `id_fault` states, for Python callers."""
+    if raw_id.shape[0] == 0:
+        return "field 'id' has no value"
+    return id_fault(&raw_id[0], raw_id.shape[0])

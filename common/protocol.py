@@ -13,13 +13,19 @@ from typing import Any, NamedTuple, TypeGuard, TypeVar
 
 import msgpack
 
+from ._wire import JOB_FIELDS, JOB_RECORD_BYTES, RESULT_FIELDS, RESULT_RECORD_BYTES, id_problem
 from .errors import ERROR_CODES, ProtocolError
 
 PROTOCOL_VERSION = 2  # of the broker<->worker frames: 2 carries a batch's payloads in one frame
 
+# The ops (docs/protocol.md "Ops"): the one list, and what each group of them means to the broker.
+# broker/_peek.pyx interns its names from here; broker/loop.py and the cores read the groups.
 OPS = frozenset({"tokenize", "detokenize", "chat", "count", "models", "ping", "detokenize_stream",
                  "add_model", "remove_model"})
 ADMIN_OPS = frozenset({"add_model", "remove_model"})  # allowed as docs/protocol.md "The model catalog" says
+CATALOG_OPS = frozenset({"models", *ADMIN_OPS})  # answered by the broker from its catalog
+MODEL_OPS = frozenset({"tokenize", "detokenize", "chat", "detokenize_stream"})  # `model` names a served model
+KEYED_OPS = frozenset({"tokenize", "chat", "count"})  # the broker hashes their input into a route key
 TOKENS_FORMATS = frozenset({"list", "u32"})
 
 # --- broker <-> worker (backend) ---------------------------------------------------------
@@ -43,8 +49,17 @@ W_LOADED = b"L"  # [L, msgpack(Loaded)]: a load finished, or failed
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_LIVENESS = 5  # a worker silent for interval * liveness is gone
 
-JOB = struct.Struct("<QII")  # job id, budget in ms (the time left of the request's deadline), payload bytes
-RESULT = struct.Struct("<QBI")  # job id, outcome (an index into OUTCOMES), reply bytes
+def _record(fields: tuple[tuple[int, int], ...], size: int) -> struct.Struct:
+    """A batch record's struct, from its layout as common/_wire.pxd states it (offset, bytes)."""
+    codes = {1: "B", 4: "I", 8: "Q"}
+    assert [at for at, _ in fields] == [sum(n for _, n in fields[:i]) for i in range(len(fields))], fields
+    record = struct.Struct("<" + "".join(codes[n] for _, n in fields))
+    assert record.size == size, (fields, size)
+    return record
+
+
+JOB = _record(JOB_FIELDS, JOB_RECORD_BYTES)  # job id, budget in ms (the time left of the request's deadline), payload bytes
+RESULT = _record(RESULT_FIELDS, RESULT_RECORD_BYTES)  # job id, outcome (an index into OUTCOMES), reply bytes
 
 # What a worker says of each job, so the broker counts outcomes without decoding replies. A
 # worker's byte is an index here; anything else reads as "internal", so no peer can invent labels.
@@ -264,28 +279,6 @@ class Request:
     raw_id: bytes = NIL  # the id's MessagePack bytes as they came, for the reply
 
 
-_CONTAINER_TYPES = frozenset(range(0x80, 0xA0)) | {0xDC, 0xDD, 0xDE, 0xDF}  # fixmap, fixarray, array/map 16/32
-_SCALAR_IDS = frozenset(range(0x00, 0x80)) | frozenset(range(0xE0, 0x100)) | frozenset(range(0xCA, 0xD4)) | {
-    0xC0, 0xC2, 0xC3, 0xC4, 0xC5, 0xC6}  # ints, nil, bools, floats, bins: valid as they are
-_STR_IDS = frozenset(range(0xA0, 0xC0)) | {0xD9, 0xDA, 0xDB}
-
-
-def id_problem(raw_id: bytes) -> str | None:
-    """Why an `id` value (its MessagePack bytes) may not be echoed, or None. Read from its first
-    byte; only a str is decoded (it must be valid UTF-8)."""
-    b = raw_id[0]
-    if b in _SCALAR_IDS:
-        return None
-    if b in _STR_IDS:
-        try:
-            msgpack.unpackb(raw_id, raw=False)
-        except UnicodeDecodeError as e:
-            return f"payload holds a str that is not valid UTF-8: {e.reason}"
-        return None
-    kind = "list" if b in (0xDC, 0xDD) or 0x90 <= b <= 0x9F else "map" if b in _CONTAINER_TYPES else "ext"
-    return f"field 'id' must be nil, bool, int, float, str or bin, got {kind}"
-
-
 def raw_id(data: bytes) -> bytes:
     """The `id` value's own MessagePack bytes, to echo untouched (a float32 stays a float32).
 
@@ -365,18 +358,19 @@ def first_repeated_key(data: bytes) -> str:
     raise ValueError("the map holds no key twice")
 
 
-MAX_KEY_SHOWN = 64  # a repeated key named in a bad_request is cut to this many characters (it is client data)
+MAX_KEY_SHOWN = 200  # bytes of a repeated key named in its bad_request (client data), as broker/_core.pyx `_twice` cuts it
 
 
 def repeated_key(key: str) -> ProtocolError:
-    """The bad_request of a request map that holds `key` twice (1.4, "Bounds on a request"), named
-    the same wherever it is found.
+    """The bad_request of a request map that holds `key` twice (1.4, "Bounds on a request"), in the
+    words of the broker's core (broker/_core.pyx `_twice`), so a client reads the same answer from
+    whichever side found it.
 
     >>> repeated_key("text").message
-    "the request map holds the key 'text' more than once"
+    "payload map holds the key 'text' twice; a request names each field once"
     """
-    shown = key if len(key) <= MAX_KEY_SHOWN else key[:MAX_KEY_SHOWN] + f"...({len(key)} characters)"
-    return ProtocolError("bad_request", f"the request map holds the key {shown!r} more than once")
+    shown = key.encode()[:MAX_KEY_SHOWN].decode("utf-8", "replace")
+    return ProtocolError("bad_request", f"payload map holds the key {shown!r} twice; a request names each field once")
 
 
 _ID_PACKER = msgpack.Packer(use_bin_type=True)  # packb makes a Packer per call (~1 us); pack() holds the GIL throughout

@@ -46,9 +46,18 @@ for _f in _cache_dir.iterdir():
 os.environ["TIKTOKEN_CACHE_DIR"] = str(_cache_dir)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Fast-engine verdicts (the per-thread limit, each tokenizer's probes: workers/engine.py) are kept for
+# the session in a folder of its own: probed once a session, read back by every later start.
+_engine_dir = Path(tempfile.mkdtemp(prefix="tb-engine-verdicts-"))
+os.environ.setdefault("TOKENBROKER_ENGINE_CACHE", str(_engine_dir))
 # Brokers and workers the tests start serve with the reference library unless a test asks for
-# another engine (tests/test_engine*.py do): a fast engine built at every worker start would double
-# the suite's time. The in-process exactness tests run against the engine a worker would choose.
+# another engine (tests/test_engine*.py, test_shared_engine_e2e.py do) or the session does
+# (TOKENBROKER_TOKENIZER_BACKEND=auto bash scripts/test ...). Not the fast engine by default yet:
+# its verdicts are kept (below), but building it is not: fastokens parses DeepSeek's tokenizer.json
+# in 1.7-5 s of CPU at every broker start (the template builds it before forking). Measured on a
+# sample of e2e files (arrays, ops, count, client: 60 tests), 150 s on the reference, 351 s on auto,
+# and one test there counts on encodes slow enough to keep 20 calls outstanding. The in-process
+# exactness tests run against the engine a worker would choose.
 os.environ.setdefault("TOKENBROKER_TOKENIZER_BACKEND", "reference")
 
 
@@ -58,8 +67,10 @@ def tiktoken_cache_dir() -> Path:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """The session's copy of the tiktoken cache goes with it (every broker has stopped by now)."""
+    """The session's copy of the tiktoken cache and its engine verdicts go with it (every broker has
+    stopped by now)."""
     shutil.rmtree(_cache_dir, ignore_errors=True)
+    shutil.rmtree(_engine_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

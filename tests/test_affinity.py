@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbroker.broker import _core
-from tokenbroker.broker._core import BOUNDARIES, MAX_BLOCKS, MAX_HASHED_BYTES, RouteKey, route_key
+from tokenbroker.broker import _routekey
+from tokenbroker.broker._routekey import BOUNDARIES, MAX_BLOCKS, MAX_HASHED_BYTES, RouteKey, route_key
 from tokenbroker.broker.frontend import Peek, peek_request
 from tokenbroker.common.protocol import pack
 
@@ -109,7 +109,7 @@ def test_batch_of_one_is_keyed_like_its_text_and_join_points_matter() -> None:
 
 def test_empty_inputs_still_have_a_key() -> None:
     for key in (tokenize_key(""), tokenize_key([]), route_key(request("chat", messages=[]))):
-        assert key is not None and len(key.key) == _core.DIGEST_BYTES and key.blocks == ()
+        assert key is not None and len(key.key) == _routekey.DIGEST_BYTES and key.blocks == ()
 
 
 def chat_turns(user: str, turns: int) -> list[list[dict]]:
@@ -167,14 +167,14 @@ def test_count_bodies_follow_their_conversation() -> None:
 def test_blocks_are_the_hash_of_the_seed_and_each_prefix_and_nothing_past_the_cap() -> None:
     """Block i is the core's hash of seed + the input's first BOUNDARIES[i] bytes (the last: the
     whole input when it ends between two); bytes past MAX_HASHED_BYTES change nothing."""
-    seed = _core.seed(b"text", b"m")
+    seed = _routekey.seed(b"text", b"m")
     for size in (10, 5000, 300_000):
         text = ("abcdefghij" * (size // 10 + 1))[:size]
         key = tokenize_key(text, "m")
         data = text.encode()
-        want = [_core.digest(seed + data[:end]) for end in BOUNDARIES if end <= len(data)]
+        want = [_routekey.digest(seed + data[:end]) for end in BOUNDARIES if end <= len(data)]
         if len(data) not in BOUNDARIES:
-            want.append(_core.digest(seed + data))
+            want.append(_routekey.digest(seed + data))
         assert list(key.blocks) == want and key.key == want[0]
     huge = "x" * (MAX_HASHED_BYTES + 10)
     assert tokenize_key(huge).blocks == tokenize_key(huge[:MAX_HASHED_BYTES] + "tail not hashed").blocks
@@ -201,8 +201,8 @@ json_values = st.recursive(
 def test_malformed_inputs_never_raise_and_still_get_a_key(op: str, value: Any) -> None:
     field = {"tokenize": "text", "chat": "messages", "count": "body"}[op]
     key = route_key(request(op, **{field: value}))
-    assert key is not None and len(key.key) == _core.DIGEST_BYTES
-    assert all(len(b) == _core.DIGEST_BYTES for b in key.blocks)
+    assert key is not None and len(key.key) == _routekey.DIGEST_BYTES
+    assert all(len(b) == _routekey.DIGEST_BYTES for b in key.blocks)
 
 
 @settings(max_examples=60, deadline=None)

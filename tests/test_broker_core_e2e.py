@@ -1,4 +1,4 @@
-"""The broker's compiled request path (broker/_core.pyx) against hostile frames, through a real
+"""The broker's compiled request path (broker/_peek.pyx) against hostile frames, through a real
 broker: what it refuses itself (never forwarded), at what CPU and memory, while small requests keep
 flowing. Contract 1.4's bounds on a request (PROTOCOL.md, "Version 1.4 additions"): 4,096 fields a
 map, 100 levels of nesting (an array's element alone), each key once, 4,096 requests an array."""
@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from helpers import Conn, cpu_seconds, error_code, rss, start_broker
-from tokenbroker.broker._core import MAX_ARRAY_REQUESTS, MAX_DEPTH, MAX_FIELDS
+from tokenbroker.broker._peek import MAX_ARRAY_REQUESTS, MAX_DEPTH, MAX_FIELDS
 
 pack = msgpack.packb
 

@@ -376,3 +376,62 @@ def test_frames_with_a_misread_element_settle_nothing(frame: bytes) -> None:
         assert not _check_settle(frame, loop)
     finally:
         loop.close()
+
+
+def test_frames_go_and_replies_come_through_libzmq() -> None:
+    """`send` hands libzmq the very bytes `frames` cuts (written in place into its messages), and
+    `drain` takes in every frame waiting, settles what each answers, drops a malformed one whole
+    and hands back the rest: real sockets, one burst."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    loop = asyncio.new_event_loop()
+    try:
+        router.bind("inproc://codec-io")
+        dealer.connect("inproc://codec-io")
+        calls = [_codec.Call(i, _codec.pack_entries({"op": "tokenize", "text": "t" * i}), 2, _codec.KIND_TOKENS, "op",
+                             loop.create_future(), 10.0, 1.0) for i in range(1, 6)]
+        pending = {c.id: c for c in calls}
+        probe = _codec.request(_codec.pack_entries({"op": "ping"}), 1, 99, 1000)
+        out_calls: list = [*calls, None]
+        payloads: list = [None] * 5 + [probe]
+        want = _codec.frames(out_calls, payloads, pending, 2, 1 << 20, 9.0)
+        assert _codec.send(dealer, out_calls, payloads, pending, 2, 1 << 20, 9.0) == len(want) == 3
+        got = [router.recv_multipart()[1] for _ in want]
+        assert got == want
+        # replies: a good array, a malformed frame (id 3's reply after a bad element), an overloaded one, a late one
+        frames_back = [ref_pack([{"id": 1, "ok": True, "tokens": U32, "count": 5, "worker": "w"},
+                                 {"id": 2, "ok": True, "tokens": b"", "count": 0, "worker": "w"}]),
+                       b"\x92" + ref_pack({"id": 3, "ok": True, "tokens": b"", "count": 0}) + b"\x81\x91\x01\x02",
+                       ref_pack({"id": 4, "ok": False, "error": {"code": "overloaded", "message": "m"}}),
+                       ref_pack({"id": 77, "ok": True})]
+        dealer_id = _router_peer(router, dealer)
+        for frame in frames_back:
+            router.send_multipart([dealer_id, frame])
+        link = _Link()
+        link.dropped = 0  # type: ignore[attr-defined]
+        odd: list = []
+        received = 0
+        settled = 0
+        for _ in range(200):  # inproc delivery is asynchronous: take in until all four came
+            f, s = _codec.drain(dealer, pending, odd, link)
+            received, settled = received + f, settled + s
+            if received == 4:
+                break
+            dealer.poll(50)
+        assert (received, settled, link.dropped) == (4, 2, 1)  # type: ignore[attr-defined]
+        assert calls[0].future.result().tokens.tobytes() == U32 and calls[1].future.done()
+        assert not calls[2].future.done() and 3 in pending  # its frame was malformed: nothing of it settled
+        assert [rid for rid, _ in odd] == [4, 77] and 4 in pending
+    finally:
+        loop.close()
+        router.close(0)
+        dealer.close(0)
+
+
+def _router_peer(router: object, dealer: object) -> bytes:
+    """The dealer's routing id as the router sees it (from a message the dealer sends)."""
+    dealer.send(b"hello")  # type: ignore[attr-defined]
+    peer, _ = router.recv_multipart()  # type: ignore[attr-defined]
+    return peer

@@ -257,7 +257,11 @@ def test_request_returns_the_raw_reply_for_any_op(broker):
 # --- deadlines -----------------------------------------------------------------------------------
 
 
-def test_a_call_nobody_answers_fails_as_unavailable_after_its_deadline_which_was_sent():
+BOTH = pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])  # the engine on asyncio, and Client's own
+
+
+@BOTH
+def test_a_call_nobody_answers_fails_as_unavailable_after_its_deadline_which_was_sent(sync: bool):
     """A ROUTER that reads requests and never answers: the call carries `deadline_ms` and fails locally."""
     ctx = zmq.Context.instance()
     hole = ctx.socket(zmq.ROUTER)
@@ -272,7 +276,15 @@ def test_a_call_nobody_answers_fails_as_unavailable_after_its_deadline_which_was
                     await client.tokenize("x", timeout=0.2)
                 assert client.pending() == 0 and client.status()[0].outstanding == 0
 
-        asyncio.run(main())
+        if sync:
+            with tb.Client(f"tcp://127.0.0.1:{port}", timeout=0.4, liveness_s=10) as sync_client:
+                with pytest.raises(tb.Unavailable, match="no broker answered 'ping' within 0.4 s"):
+                    sync_client.ping()
+                with pytest.raises(tb.Unavailable, match="within 0.2 s"):
+                    sync_client.tokenize("x", timeout=0.2)
+                assert sync_client.pending() == 0 and sync_client.status()[0].outstanding == 0
+        else:
+            asyncio.run(main())
         assert hole.poll(5000)
         sent = [msgpack.unpackb(hole.recv_multipart()[-1]) for _ in range(2)]
         assert [s["op"] for s in sent] == ["ping", "tokenize"]
@@ -288,9 +300,20 @@ def test_the_sync_client_fails_as_unavailable_when_no_broker_listens():
         assert client.pending() == 0
 
 
-def test_a_deadline_the_broker_cannot_meet_fails_the_call_and_nothing_stays_pending():
+@BOTH
+def test_a_deadline_the_broker_cannot_meet_fails_the_call_and_nothing_stays_pending(sync: bool):
     b = start_broker(workers=1)
     try:
+        if sync:
+            with tb.Client(b.endpoint) as client:
+                slow = client.submit(client.aio.tokenize("word " * 1_000_000, timeout=120))  # holds the only worker
+                with pytest.raises((tb.Timeout, tb.Unavailable)) as info:
+                    client.tokenize("queued behind it", timeout=0.001)  # sent with it, in one frame
+                assert info.value.code in ("timeout", "unavailable")
+                assert slow.result().count > 0
+                assert client.pending() == 0
+            return
+
         async def main() -> None:
             async with tb.AsyncClient(b.endpoint) as client:
                 slow = client.tokenize("word " * 1_000_000, timeout=120)  # holds the only worker
@@ -310,11 +333,26 @@ def test_a_deadline_the_broker_cannot_meet_fails_the_call_and_nothing_stays_pend
 # --- failover, retries, cancellation ---------------------------------------------------------------
 
 
-def test_a_broker_killed_under_load_is_left_and_every_call_is_answered_once_by_the_other():
+@BOTH
+def test_a_broker_killed_under_load_is_left_and_every_call_is_answered_once_by_the_other(sync: bool):
     a, b = start_broker(workers=1), start_broker(workers=1)
     try:
         items = texts(1500, size=20)
         want = batch_ids(b.endpoint, items)
+        if sync:
+            with tb.Client([a.endpoint, b.endpoint], liveness_s=0.5) as client:
+                calls = [client.submit(client.aio.tokenize(t)) for t in items]  # all leave with the first wait
+                for call in calls[:20]:
+                    call.result()  # answered by both while the rest are outstanding on both
+                assert all(s.sent > 100 for s in client.status()) and client.status()[0].outstanding > 100
+                a.stop(signal.SIGKILL)
+                assert [c.result().tokens.tolist() for c in calls] == want  # each resolved once, rightly
+                left, other = client.status()
+                assert not left.alive and left.left >= 1 and left.resent > 0 and left.outstanding == 0
+                assert other.alive and other.left == 0 and other.outstanding == 0
+                assert client.pending() == 0
+                assert client.ping().workers == 1  # served by the one left
+            return
 
         async def main() -> None:
             async with tb.AsyncClient([a.endpoint, b.endpoint], liveness_s=0.5) as client:
@@ -337,11 +375,20 @@ def test_a_broker_killed_under_load_is_left_and_every_call_is_answered_once_by_t
         b.stop()
 
 
-def test_overloaded_is_retried_with_backoff_until_served():
+@BOTH
+def test_overloaded_is_retried_with_backoff_until_served(sync: bool):
     b = start_broker("--max-pending", "1", workers=1)
     try:
         items = texts(300, size=10)
         want = batch_ids(b.endpoint, items)
+        if sync:
+            with tb.Client(b.endpoint, timeout=120) as client:
+                results = client.map(client.aio.tokenize, items)
+                assert [r.tokens.tolist() for r in results] == want
+                status = client.status()[0]
+                assert status.retried > 0 and status.sent == 300 + status.retried
+                assert client.pending() == 0
+            return
 
         async def main() -> None:
             async with tb.AsyncClient(b.endpoint, timeout=120) as client:

@@ -175,6 +175,13 @@ def test_a_count_is_bounded_before_it_is_counted_and_its_deadline_watched_on_the
         chars = sum(len(s) for s in _strings(body))
         assert estimated["count"] == (chars + 1) // 2
         assert any("--max-batch-items" in w for w in estimated["warnings"]), estimated["warnings"]
+        as_json = json.dumps(body)  # the same body sent as JSON text (str) and as JSON bytes (bin): the same answers
+        for given in (as_json, as_json.encode()):
+            over = conn.call("count", body=given, format="openai.chat", model="gpt-4o", strict=True, timeout=120)
+            assert not over["ok"] and over["error"]["code"] == "too_large" and "--max-batch-items" in over["error"]["message"], over
+            again = conn.call("count", body=given, format="openai.chat", model="gpt-4o", timeout=120)
+            assert again["ok"] and again["method"] == "estimate" and again["count"] == estimated["count"], again
+            assert any("--max-batch-items" in w for w in again["warnings"]), again["warnings"]
         half = {"messages": body["messages"][:1500]}
         assert conn.call("count", body=half, format="openai.chat", model="gpt-4o", timeout=120)["ok"]
         late = conn.call("count", body={"messages": [{"role": "user", "content": "word " * 20}] * 1500},

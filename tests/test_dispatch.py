@@ -7,7 +7,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbroker.broker._core import Dispatcher, Job, Router, route_key
+from tokenbroker.broker._dispatch import Dispatcher
+from tokenbroker.broker._jobs import Job
+from tokenbroker.broker._routekey import route_key
+from tokenbroker.broker._router import Router
 from tokenbroker.broker.frontend import peek_request
 from tokenbroker.broker.placement import Placement
 from tokenbroker.common.protocol import Envelope, pack

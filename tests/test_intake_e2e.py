@@ -1,4 +1,4 @@
-"""The broker's compiled intake (broker/_core.pyx `Intake`) through a real broker: one call per
+"""The broker's compiled intake (broker/_intake.pyx `Intake`) through a real broker: one call per
 message admits its requests, one call per worker batch answers them, and every request that is
 not the common case still takes the loop's own path, in arrival order, counted as before."""
 

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenbroker import _codec
-from tokenbroker.broker._core import Job, check_results, job_batch
+from tokenbroker.broker._batches import check_results, job_batch
+from tokenbroker.broker._jobs import Job
 from tokenbroker.common.protocol import JOB, OUTCOMES, RESULT
 from tokenbroker.workers._core import pack_tokens
 

@@ -121,3 +121,35 @@ def test_a_model_going_back_to_sleep_lets_its_cache_entries_go_and_keeps_its_cou
     total = registry.cache_stats()
     assert total["l0"]["misses"] >= 50 and total["l0"]["entries"] == 0
     assert woken.cache.encode("<｜User｜>text number 0<｜Assistant｜>more", True)[1].l0 == "miss"  # woken again: a cold cache, still exact
+
+
+def test_a_capped_worker_loads_another_template_over_a_held_tokenizer_and_shares_its_engine():
+    """Under --max-models-per-worker 1, a LOAD of a model reading the held model's tokenizer files with
+    a chat template of its own takes no slot: it loads, and is served by the held engine and caches;
+    a LOAD of another tokenizer is refused for now (retry), as the cap says."""
+    import select
+
+    from helpers import CHAT_TEMPLATES, LSTRIP_DIR
+    from tokenbroker.common.protocol import LoadSpec
+    from tokenbroker.workers.loader import Loader, ModelInstaller
+
+    config = ModelConfig(models=(ModelSpec("a", str(LSTRIP_DIR)), ModelSpec("other", str(BERT_DIR))), max_models=1,
+                         backend="reference")
+    registry = ModelRegistry(config)
+    loader = Loader(config.cache)
+    installer = ModelInstaller(registry, loader, 1)
+    template = (CHAT_TEMPLATES / "chatml.jinja").read_text()
+    assert installer.load(LoadSpec("a-chat", str(LSTRIP_DIR), chat_template=template).to_wire()) == []  # loading
+    refused = installer.load(LoadSpec("other", str(BERT_DIR)).to_wire())
+    assert len(refused) == 1 and refused[0].retry and not refused[0].ok
+    loaded = []
+    deadline = time.monotonic() + 60
+    while not loaded and time.monotonic() < deadline:
+        select.select([loader.fd], [], [], 1.0)
+        loaded = installer.finished()
+    loader.close()
+    assert [(m.name, m.ok) for m in loaded] == [("a-chat", True)]
+    a, chat = registry.get("a"), registry.get("a-chat")
+    assert chat.tokenizer is a.tokenizer and chat.cache is a.cache and registry.tokenizers() == 1
+    assert chat.fingerprint != a.fingerprint and chat.tokenizer_fingerprint == a.tokenizer_fingerprint
+    assert chat.templates is not None and a.templates is None

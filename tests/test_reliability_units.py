@@ -108,7 +108,10 @@ def test_serve_help_says_workers_default_to_one_per_usable_core():
 
 def test_a_long_tokenize_holds_one_lane_of_its_worker_and_small_jobs_keep_flowing_to_it():
     """Caches off: workers encode a long text off their loop, so the broker still sends them small jobs."""
-    from tokenbroker.broker._core import Dispatcher, Job, Router, route_key
+    from tokenbroker.broker._dispatch import Dispatcher
+    from tokenbroker.broker._jobs import Job
+    from tokenbroker.broker._routekey import route_key
+    from tokenbroker.broker._router import Router
     from tokenbroker.broker.frontend import peek_request
     from tokenbroker.common.protocol import Envelope, pack
 
@@ -140,7 +143,10 @@ def test_a_long_count_holds_one_lane_of_its_worker_in_every_cache_mode():
     """Workers count a long body off their loop whatever their caches (workers/count_lane.py): the
     broker sends them small jobs meanwhile, and one long count at a time, however many bytes the
     worker may hold (six 300 KB bodies held by their bytes filled it, and the small jobs waited)."""
-    from tokenbroker.broker._core import Dispatcher, Job, Router, route_key
+    from tokenbroker.broker._dispatch import Dispatcher
+    from tokenbroker.broker._jobs import Job
+    from tokenbroker.broker._routekey import route_key
+    from tokenbroker.broker._router import Router
     from tokenbroker.broker.frontend import peek_request
     from tokenbroker.common.protocol import LANE_COUNT_BYTES, Envelope, pack
 

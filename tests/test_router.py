@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbroker.broker._core import RouteKey, Router, Slots, route_key
+from tokenbroker.broker._routekey import RouteKey, route_key
+from tokenbroker.broker._router import Router, Slots
 from tokenbroker.broker.frontend import peek_request
 from tokenbroker.common.protocol import pack
 

@@ -70,7 +70,7 @@ def start_worker(keys: dict[str, Path], port: int, name: str, key: str, *flags: 
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    """SIGKILL for a refused worker: its socket has no peer to say BYE to, so SIGTERM would wait."""
+    """Send `sig` (a refused worker leaves at SIGTERM at once, test_a_refused_worker_keeps_trying...), then SIGKILL after 30 s."""
     if proc.poll() is None:
         proc.send_signal(sig)
         try:
@@ -185,6 +185,7 @@ def test_a_worker_key_removed_plus_sighup_keeps_that_worker_out(pool, keys):
         before = auth_failures(broker, "backend")
         w2 = start_worker(keys, port, "remote-w2", "w2")
         wait_until(lambda: auth_failures(broker, "backend") > before, timeout=90, what="w2's comeback to be refused")
+        assert w2.poll() is None  # refused, it keeps trying
         assert c1.call("ping")["workers"] == 1
         assert {c1.call("tokenize", text=f"t{i}")["worker"] for i in range(8)} == {"remote-w1"}
     finally:

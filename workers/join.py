@@ -40,7 +40,7 @@ REPORT_EVERY_S = ATTEMPT_S  # a worker that cannot get through says why this oft
 SLICE_S = 0.1  # the wait polls in slices: a signal handler runs inside zmq's poll without ending it (pyzmq retries on EINTR)
 SNDTIMEO_MS = int(HEARTBEAT_INTERVAL_S * 1000)  # a send the socket cannot take in time raises zmq.Again (the loop drops it)
 
-_WATCHED = (zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
+_WATCHED = (zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
             | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -51,11 +51,10 @@ class BrokerUnreachable(Exception):
     """--give-up-after passed without getting through; the message says to where and why."""
 
 
-def why(event: int, value: int, handshaken: bool) -> str | None:
-    """What a monitor event says about getting through, for the log; None for an event that says
-    nothing new (a connect still in progress after an earlier, better reason).
+def why(event: int, value: int, handshaken: bool, curve: bool) -> str | None:
+    """What a monitor event says about getting through, for the log (None: an event not watched).
 
-    >>> why(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400, False)
+    >>> why(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400, False, True)
     "the broker refused this worker's CURVE key (ZAP status 400): its public .key is not in the broker's --curve-workers folder"
     """
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -67,14 +66,16 @@ def why(event: int, value: int, handshaken: bool) -> str | None:
         if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
             return "the handshake failed on its cryptography: a --curve-server-key that is not the broker's?"
         return f"the handshake failed (ZeroMQ protocol error {value:#x})"
+    # the peer hung up mid-handshake: under CURVE most likely a server key it cannot answer
+    suspect = "a --curve-server-key that is not the broker's?" if curve else "is a tokenbroker backend listening there?"
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return "the handshake failed with no detail from ZeroMQ: a --curve-server-key that is not the broker's?"
+        return f"the handshake failed with no detail from ZeroMQ: {suspect}"
     if event == zmq.EVENT_CONNECT_RETRIED:
         return "the connection was refused or failed: no broker listening there yet, or the network is down"
     if event == zmq.EVENT_DISCONNECTED:
         if handshaken:
             return "the broker closed the connection"
-        return "the broker closed the connection during the handshake: a --curve-server-key that is not the broker's?"
+        return f"the peer closed the connection during the handshake: {suspect}"
     if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
         return "connected, but the broker has not answered READY (its log says why: a model fingerprint it does not expect?)"
     if event == zmq.EVENT_CONNECTED:
@@ -89,7 +90,7 @@ class Attempt:
         self.sock: zmq.Socket = ctx.socket(zmq.DEALER)  # ZeroMQ picks the identity: one per connection
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.SNDTIMEO, SNDTIMEO_MS)
-        apply_client_curve(self.sock, *curve)  # common/curve.py
+        self.curve = apply_client_curve(self.sock, *curve) is not None  # common/curve.py
         self.monitor: zmq.Socket = self.sock.get_monitor_socket(_WATCHED)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
@@ -129,7 +130,7 @@ class Attempt:
             kind, value = int(event["event"]), int(event["value"])
             if kind == zmq.EVENT_CONNECTED:
                 self.handshaken = False
-            reason = why(kind, value, self.handshaken)
+            reason = why(kind, value, self.handshaken, self.curve)
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshaken, self.refused = True, False
             if reason is None:
@@ -152,46 +153,57 @@ class Attempt:
         self.sock.close(linger=0)
 
 
+class Patience:
+    """How long a worker has been trying to get through: says why once per REPORT_EVERY_S (the first
+    time after one heartbeat interval), and gives up after --give-up-after seconds (0: never)."""
+
+    def __init__(self, endpoint: str, give_up_after: float) -> None:
+        self.endpoint = endpoint
+        self.give_up_after = give_up_after
+        self.started = time.monotonic()
+        self.report_at = self.started + HEARTBEAT_INTERVAL_S
+
+    def note(self, reason: str) -> None:
+        """Called every slice while not through: logs `reason` when due; BrokerUnreachable past the limit."""
+        now = time.monotonic()
+        if self.give_up_after and now - self.started >= self.give_up_after:
+            raise BrokerUnreachable(f"could not get through to the broker at {self.endpoint} in {self.give_up_after:g}s "
+                                    f"(--give-up-after): {reason}")
+        if now >= self.report_at:
+            log.warning("cannot get through to the broker at %s: %s (still trying, %.0fs so far)", self.endpoint, reason,
+                        now - self.started)
+            self.report_at = now + REPORT_EVERY_S
+
+    def joined(self) -> None:
+        waited = time.monotonic() - self.started
+        if waited >= HEARTBEAT_INTERVAL_S:  # said only after a wait worth saying
+            log.info("joined the broker at %s after %.1fs", self.endpoint, waited)
+
+
 def join(ctx: zmq.Context, endpoint: str, curve: tuple[str | None, str | None], ready: Callable[[], bytes],
          stop: Callable[[], bool], give_up_after: float = 0.0) -> zmq.Socket | None:
     """A socket on `endpoint` whose broker has answered READY (its first message unread); None when
     `stop()` turned true first. Raises BrokerUnreachable after `give_up_after` seconds (0: never).
     `ready` builds READY afresh for each attempt (the models loaded at that moment)."""
-    started = time.monotonic()
-    report_at = started + HEARTBEAT_INTERVAL_S
+    patience = Patience(endpoint, give_up_after)
     backoff = RECONNECT_INIT_S
-    attempt: Attempt | None = Attempt(ctx, endpoint, curve, ready())
-    ends = started + ATTEMPT_S
-    reason = ""
     while True:
-        if stop():
-            if attempt is not None:
-                attempt.close()
-            return None
-        now = time.monotonic()
-        if attempt is not None and attempt.wait(min(SLICE_S, max(0.0, ends - now))):
-            if now - started >= HEARTBEAT_INTERVAL_S:
-                log.info("joined the broker at %s after %.1fs", endpoint, now - started)
-            return attempt.joined()
-        now = time.monotonic()
-        if attempt is not None:
-            reason = attempt.reason
-        if give_up_after and now - started >= give_up_after:
-            if attempt is not None:
-                attempt.close()
-            raise BrokerUnreachable(f"could not get through to the broker at {endpoint} in {give_up_after:g}s "
-                                    f"(--give-up-after): {reason}")
-        if now >= report_at:
-            log.warning("cannot get through to the broker at %s: %s; still trying (%.0fs so far)", endpoint, reason,
-                        now - started)
-            report_at = now + REPORT_EVERY_S
-        if attempt is not None and now >= ends:  # a fresh socket after a backoff
+        attempt = Attempt(ctx, endpoint, curve, ready())
+        ends = time.monotonic() + ATTEMPT_S
+        try:
+            while time.monotonic() < ends and not stop():
+                if attempt.wait(SLICE_S):
+                    patience.joined()
+                    return attempt.joined()
+                patience.note(attempt.reason)
+        except BrokerUnreachable:
             attempt.close()
-            attempt = None
-            ends = now + backoff
-            backoff = min(backoff * 2, RECONNECT_MAX_S)
-        elif attempt is None and now >= ends:
-            attempt = Attempt(ctx, endpoint, curve, ready())
-            ends = now + ATTEMPT_S
-        elif attempt is None:
-            time.sleep(min(SLICE_S, max(0.0, ends - now)))
+            raise
+        attempt.close()
+        pause_ends = time.monotonic() + backoff  # a fresh socket after a doubling backoff
+        while time.monotonic() < pause_ends and not stop():
+            time.sleep(SLICE_S)
+            patience.note(attempt.reason)
+        if stop():
+            return None
+        backoff = min(backoff * 2, RECONNECT_MAX_S)

@@ -185,7 +185,7 @@ class Worker:
         try:
             sock = join(self.ctx, self.config.connect, curve, self._ready, self._stopping, self.config.give_up_after)
         except BrokerUnreachable as e:
-            log.error("%s: leaving", e)
+            log.error("leaving: %s", e)
             self.unreachable = True
             return None
         if sock is None:

@@ -28,9 +28,9 @@ from tokenbroker.common.protocol import MAX_SPECIAL_TOKENS, ModelInfo
 from .cache import TokenCache
 from .chat import ChatRenderer, ChatTemplates, discover_chat_templates, special_tokens_from_config
 from .count.encodings import local_encoding, where_to_put
+from .engine import EnginePlan, engine_limit
 from .stream import StreamDecoder
 from .tokenizer_map import TokenizerMap
-from .engine import EnginePlan, engine_limit
 from .tokenin import reference
 from .tokenizers import Tokenizer, load_tokenizer, wrap_encoding
 

@@ -57,6 +57,8 @@ class AsyncClient:
     deadline. Errors are `TokenbrokerError` subclasses carrying the protocol's code.
     """
 
+    _engine: type[Core] = Core  # `Client`'s own is the same engine on the caller's thread (_client_blocking)
+
     def __init__(self, endpoints: str | Sequence[str] = DEFAULT_ENDPOINT, *, timeout: float = DEFAULT_TIMEOUT_S,
                  model: str | None = None, ids: res.IdsFormat = "array", liveness_s: float = DEFAULT_LIVENESS_S,
                  curve_server_key: ServerKey | None = None, curve_secret_key: SecretKey | None = None,
@@ -72,7 +74,7 @@ class AsyncClient:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         if ids not in ("array", "list"):
             raise ValueError(f"ids must be 'array' or 'list', got {ids!r}")
-        self._core = Core(_endpoints(endpoints), context=context,
+        self._core = self._engine(_endpoints(endpoints), context=context,
                           curve=curve_keys(curve_server_key, curve_secret_key), liveness_s=liveness_s)
         self._timeout = timeout
         self._model = model

@@ -56,15 +56,12 @@ BACKOFF_BASE_S = 0.005  # first `overloaded` retry waits up to this; each next o
 BACKOFF_MAX_S = 0.25
 COALESCE_MAX_CALLS = 256  # requests gathered in one frame, at most
 COALESCE_MAX_BYTES = 1024 * 1024  # and bytes (a request larger than this goes alone)
-# pyzmq's compiled Socket.send(data, flags, copy, track), under its Python wrapper; frames of at
-# least zmq.COPY_THRESHOLD bytes go without a copy, as the wrapper would send them.
-_SEND: Any = zmq.backend.Socket.send
-_COPY_THRESHOLD = zmq.COPY_THRESHOLD
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: enum flags cost a Python call per `&`
 
-# The per-call path is compiled (`_codec`, Cython): a request's fields are packed once into its
-# `head`, its id and deadline written at each send; a reply frame is read straight into results
-# (`Tokens`, `Text`, `ChatTokens`) and settles its calls in one call. The bytes are msgpack's.
+# The per-call path is compiled (`_codec`, Cython, over libzmq's C API on the sockets pyzmq opens):
+# a request's fields are packed once into its `head`, its id and deadline written at each send
+# into the message libzmq sends; a burst of reply frames is read straight from libzmq's messages
+# into results (`Tokens`, `Text`, `ChatTokens`) and settles its calls in one call. The bytes are
+# msgpack's.
 _codec.configure(MAX_DEADLINE_MS)
 _PING = _codec.pack_entries({"op": "ping"})
 
@@ -277,65 +274,39 @@ class Core:
         """Send what the link holds: one request as its map, several as MessagePack arrays of them
         (contract 1.2), each frame at most COALESCE_MAX_CALLS requests and COALESCE_MAX_BYTES bytes
         (a larger request goes alone), so it stays far under any broker's --max-request-bytes.
-        Calls cancelled or expired since go not."""
-        out = _codec.frames(link.outbox_calls, link.outbox, self._calls, COALESCE_MAX_CALLS, COALESCE_MAX_BYTES,
-                            self._time())
+        Calls cancelled or expired since go not. Each frame is written straight into the message
+        libzmq sends (`_codec.send`); one frame, no delimiter frame: the reply has one frame too."""
+        outbox, calls_out = link.outbox, link.outbox_calls
         link.outbox, link.outbox_calls, link.outbox_bytes = [], [], 0
-        sock = link.sock
-        send = _SEND  # the compiled send itself: pyzmq's Python wrapper only picks copy or not, by size
-        for frame in out:
-            link.frames += 1
-            try:  # one frame, no delimiter frame: the reply then has one frame too, half the frames
-                send(sock, frame, _NOBLOCK, len(frame) < _COPY_THRESHOLD)
-            except zmq.Again:  # not with a connected DEALER and SNDHWM 0; were it so, the frame is lost
-                pass  # like one the network lost: liveness re-sends its calls, or their deadlines fail them
+        link.frames += _codec.send(link.sock, calls_out, outbox, self._calls, COALESCE_MAX_CALLS, COALESCE_MAX_BYTES,
+                                   self._time())
 
     def _kick(self, link: Link) -> None:
-        """Once per loop turn after calls were made: send them (one frame), then, since ZeroMQ's
-        descriptor is edge-triggered and a send may take in a reply without the descriptor saying
-        so, read EVENTS (which re-arms it) and take in whatever is waiting."""
+        """Once per loop turn after calls were made: send them, then take in whatever is waiting
+        (ZeroMQ's descriptor is edge-triggered and a send may take in a reply without the
+        descriptor saying so; a receive that finds nothing re-arms it)."""
         link.kick = False
-        sock = link.sock
-        if sock is not None and link.outbox:
+        if link.sock is not None and link.outbox:
             self._flush(link)
-            if sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
-                self._drain(link)
+            self._drain(link)
 
     def _drain(self, link: Link) -> None:
         """Take in every frame waiting (the loop's reader calls this when the descriptor is
-        readable). Reading EVENTS until it says no more leaves the descriptor armed for the next
-        frame, without the `Again` a receive would raise (an exception and an import in pyzmq,
-        a third of a one-reply wake-up's cost); a receive that settled calls schedules the link's
+        readable): read and settled in compiled code straight from libzmq's messages
+        (`_codec.drain`), one pass per wake-up; what needs policy comes back here: ids not pending
+        (probes, late replies) and `overloaded`. A receive that settled calls schedules the link's
         send behind the callers it woke (see the module's docstring)."""
         sock = link.sock
         if sock is None:
             return
-        recv, events = sock.recv, sock.get
-        settled = 0
-        while events(_EVENTS) & _POLLIN:  # type: ignore[operator]
-            settled += self._on_frame(link, recv(_NOBLOCK))
-            if link.sock is not sock:  # pragma: no cover - nothing on the receive path reconnects
-                return
-        if settled and not link.kick:
-            link.kick = True
-            self._loop.call_soon(self._kick, link)  # type: ignore[union-attr]
-
-    def _on_frame(self, link: Link, payload: bytes) -> int:
-        """One frame: a reply map, or (to a client that sent arrays) an array of them, read and
-        settled in compiled code (`_codec.settle`); what needs policy comes back here: ids not
-        pending (probes, late replies) and `overloaded`. How many calls it settled."""
+        odd: list = []
+        frames, settled = _codec.drain(sock, self._calls, odd, link)
+        if not frames:
+            return
         now = self._time()
         link.heard = now
-        if not payload:  # a delimiter: not ours to send, yet harmless to skip
-            return 0
         if not link.alive:
             self._revive(link)
-        odd: list = []
-        try:
-            settled = _codec.settle(payload, self._calls, odd)
-        except Exception:  # not ours to judge: a reply we cannot read is dropped like a stray one
-            link.dropped += 1
-            return 0
         for rid, reply in odd:
             call = self._calls.get(rid) if type(rid) is int else None
             if call is not None:  # overloaded: retried after a backoff while the deadline allows
@@ -349,7 +320,9 @@ class Core:
                 link.probe_id = None
             else:
                 link.dropped += 1
-        return settled
+        if settled and not link.kick:
+            link.kick = True
+            self._loop.call_soon(self._kick, link)  # type: ignore[union-attr]
 
     def _forget(self, call: Call) -> None:
         """Drop every reference the engine holds to a call that is answered, expired or cancelled."""
@@ -418,15 +391,21 @@ class Core:
 
     # --- liveness ------------------------------------------------------------------------
 
+    def _start_watch(self) -> None:
+        """Check the brokers every quarter of the liveness window, from now on (a task on asyncio)."""
+        self._watcher = self._loop.create_task(self._watch())  # type: ignore[union-attr]
+
     async def _watch(self) -> None:
-        """Probe quiet brokers, leave silent ones, reconnect and probe the ones left."""
-        loop = self._loop
         interval = self._liveness / 4
         while True:
             await asyncio.sleep(interval)
-            now = loop.time()  # type: ignore[union-attr]
-            for link in self._links:
-                self._check(link, now)
+            self._check_all()
+
+    def _check_all(self) -> None:
+        """Probe quiet brokers, leave silent ones, reconnect and probe the ones left."""
+        now = self._loop.time()  # type: ignore[union-attr]
+        for link in self._links:
+            self._check(link, now)
 
     def _check(self, link: Link, now: float) -> None:
         half = self._liveness / 2
@@ -498,7 +477,7 @@ class Core:
             self._context = zmq.Context.instance()
         for link in self._links:
             self._open_link(link)
-        self._watcher = self._loop.create_task(self._watch())
+        self._start_watch()
 
     def _open_link(self, link: Link) -> None:
         link.open(self._context, self._curve)  # type: ignore[arg-type]

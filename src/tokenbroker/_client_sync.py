@@ -1,21 +1,23 @@
-"""`Client`: the synchronous client, for a scheduler thread; the same engine on a private I/O thread.
+"""`Client`: the synchronous client, for a scheduler thread; the same engine, run by the caller.
 
-Every socket lives on the client's own event-loop thread (an `AsyncClient` there), so a call from
-the caller's thread is one hand-over each way, and a batch (`map`, `submit`) is pipelined exactly
-as the async client pipelines it. It is meant for one thread at a time; since only the I/O thread
-touches sockets, calls from several threads do not corrupt anything, but `close()` must not race them.
+A call runs in the calling thread, start to end: its `AsyncClient` coroutine (every op's code is
+shared) is stepped by hand, and while it waits the engine's turns run right there
+(`_client_blocking.Turns`: its sockets' descriptors polled, replies read and settled in compiled
+code), with failover, deadlines and `overloaded` retries exactly as the async client has them. No
+event loop, no I/O thread, no hand-off per call. A batch (`map`, the `*_many` methods) is pipelined
+as the async client pipelines it. It is meant for one thread at a time (the sockets are used by
+whichever thread is waiting); `close()` must not race a call.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import functools
-import threading
 from typing import Any, Awaitable, Callable, Concatenate, Coroutine, Iterable, ParamSpec, Sequence, TypeVar
 
 from . import _client_results as res
 from ._client_async import AsyncClient
+from ._client_blocking import BlockingCore
 from ._client_core import DEFAULT_ENDPOINT, DEFAULT_LIVENESS_S, DEFAULT_TIMEOUT_S
 from ._client_keys import SecretKey, ServerKey
 from ._client_stream import DetokenizeStream
@@ -27,8 +29,8 @@ P = ParamSpec("P")
 
 def _sync(method: Callable[Concatenate[AsyncClient, P], Awaitable[T]]) -> Callable[Concatenate["Client", P], T]:
     """`Client`'s twin of an `AsyncClient` coroutine method: the same parameters (type checkers see
-    them through the ParamSpec, `inspect.signature` and `help` through `__wrapped__`), run on the
-    I/O thread. The coroutine is built in the caller's thread, so a wrong argument raises there."""
+    them through the ParamSpec, `inspect.signature` and `help` through `__wrapped__`), run to its
+    result in the caller's thread."""
     @functools.wraps(method)
     def call(self: "Client", /, *args: P.args, **kwargs: P.kwargs) -> T:
         return self._run(method(self.aio, *args, **kwargs))  # type: ignore[arg-type]
@@ -36,13 +38,19 @@ def _sync(method: Callable[Concatenate[AsyncClient, P], Awaitable[T]]) -> Callab
     return call
 
 
-def _on_loop(method: Callable[[AsyncClient], T]) -> Callable[["Client"], T]:
-    """A plain `AsyncClient` method read on the I/O thread (the engine's state is that thread's)."""
+def _plain(method: Callable[[AsyncClient], T]) -> Callable[["Client"], T]:
+    """A plain `AsyncClient` method (the engine's state, read in the caller's thread)."""
     @functools.wraps(method)
     def call(self: "Client") -> T:
-        return self._loop_call(functools.partial(method, self.aio))
+        return method(self.aio)
 
     return call
+
+
+class _Aio(AsyncClient):
+    """The `AsyncClient` under a `Client`: its engine runs on the caller's thread (`BlockingCore`)."""
+
+    _engine = BlockingCore
 
 
 class Client:
@@ -60,31 +68,28 @@ class Client:
     def __init__(self, endpoints: str | Sequence[str] = DEFAULT_ENDPOINT, *, timeout: float = DEFAULT_TIMEOUT_S,
                  model: str | None = None, ids: res.IdsFormat = "array", liveness_s: float = DEFAULT_LIVENESS_S,
                  curve_server_key: ServerKey | None = None, curve_secret_key: SecretKey | None = None) -> None:
-        # Built here, so option errors raise in the caller's thread; its sockets open on first use, on the I/O thread.
-        self.aio = AsyncClient(endpoints, timeout=timeout, model=model, ids=ids, liveness_s=liveness_s,
-                               curve_server_key=curve_server_key, curve_secret_key=curve_secret_key)
+        # Its sockets open on the first call.
+        self.aio: AsyncClient = _Aio(endpoints, timeout=timeout, model=model, ids=ids, liveness_s=liveness_s,
+                                     curve_server_key=curve_server_key, curve_secret_key=curve_secret_key)
+        self._turns = self.aio._core.turns  # type: ignore[attr-defined]  # a BlockingCore's
         self._timeout = timeout
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tokenbroker-client", daemon=True)
-        self._thread.start()
         self._closed = False
 
-    # --- running coroutines on the I/O thread --------------------------------------------
+    # --- running coroutines in the caller's thread -----------------------------------------
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Start a call built from `aio` without waiting: `fut = tb.submit(tb.aio.tokenize(text))`."""
+        """Start a call built from `aio` without waiting: `fut = tb.submit(tb.aio.tokenize(text))`.
+        Its request leaves with the next wait of this client (this future's `result()`, or any call)."""
         if self._closed:
             coro.close()
             raise RuntimeError("the client is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return self._turns.start(coro)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        future = self.submit(coro)
-        try:
-            return future.result()
-        except BaseException:  # KeyboardInterrupt in the caller: cancel the call rather than leave it pending
-            future.cancel()
-            raise
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the client is closed")
+        return self._turns.run(coro)
 
     def map(self, fn: Callable[[A], Awaitable[T]], items: Iterable[A], *, return_exceptions: bool = False) -> list[T]:
         """`fn(item)` for every item, all in flight at once, results in order: `tb.map(tb.aio.ping, ...)`.
@@ -92,10 +97,17 @@ class Client:
         The first error is raised (the other calls still finish) unless `return_exceptions`, which
         puts each error in its place instead.
         """
-        async def gather() -> list[Any]:
-            return list(await asyncio.gather(*(fn(item) for item in items), return_exceptions=return_exceptions))
-
-        return self._run(gather())
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        futures = [self._turns.start(fn(item)) for item in items]
+        self._turns.run_until(lambda: all(f.done() for f in futures))
+        out: list[Any] = []
+        for f in futures:
+            error = f.exception()
+            if error is not None and not return_exceptions:
+                raise error
+            out.append(f.result() if error is None else error)
+        return out
 
     # --- one method per op, made from AsyncClient's (signature, annotations and docs kept) ------
 
@@ -113,8 +125,8 @@ class Client:
     add_model = _sync(AsyncClient.add_model)
     remove_model = _sync(AsyncClient.remove_model)
     request = _sync(AsyncClient.request)
-    status = _on_loop(AsyncClient.status)
-    pending = _on_loop(AsyncClient.pending)
+    status = _plain(AsyncClient.status)
+    pending = _plain(AsyncClient.pending)
 
     def detokenize_stream(self, *, model: str | None = None, timeout: float | None = None) -> DetokenizeStream:
         """A helper that carries each open sequence's `state`: `open()` them, then `step(...)`."""
@@ -123,21 +135,13 @@ class Client:
 
         return DetokenizeStream(call, model=self.aio._model_of(model), timeout=timeout)
 
-    def _loop_call(self, fn: Callable[[], T]) -> T:
-        async def run() -> T:
-            return fn()
-
-        return self._run(run())
-
     def close(self) -> None:
-        """Fail pending calls as `Unavailable`, close the sockets, stop the I/O thread."""
+        """Fail pending calls as `Unavailable`, close the sockets."""
         if self._closed:
             return
         self._run(self.aio.aclose())
         self._closed = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._turns.close()
 
     def __enter__(self) -> "Client":
         return self

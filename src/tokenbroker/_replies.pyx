@@ -25,10 +25,13 @@ from libc.stdint cimport uint32_t, uint64_t, int64_t
 from tokenbroker.common._wire cimport (Head, read_head, skip, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR, K_BIN, K_ARRAY,
                            K_MAP, K_EXT, W_OK)
 from tokenbroker._calls cimport C_AS_LIST, C_RAW, Call, answered
+from tokenbroker.common._zmq cimport (EAGAIN, EINTR, ZMQ_DONTWAIT, handle_of, load_libzmq, zmq_errno, zmq_error,
+                                      zmq_msg_close, zmq_msg_data, zmq_msg_init, zmq_msg_recv, zmq_msg_size, zmq_msg_t)
 
 import sys
 
 import msgpack
+from zmq import ZMQError
 
 from ._client_results import CacheInfo, ChatTokens, Text, Tokens
 
@@ -48,6 +51,8 @@ cdef extern from "Python.h":
     object PyLong_FromLongLong(long long)
 
 DEF MAX_DEPTH = 256  # containers nested deeper than this are refused (the contract sends depth <= 4)
+
+load_libzmq()
 
 cdef bint _BIG = sys.byteorder == "big"
 cdef array _U32 = array("I")
@@ -408,6 +413,43 @@ cdef object _reply_id(const unsigned char* p, Py_ssize_t end, Py_ssize_t pos, Py
 
 
 cdef object _NEED_FULL = object()
+
+
+def drain(object sock, dict calls, list odd, object link) -> tuple:
+    """Take in every frame waiting on `sock` (until libzmq says EAGAIN, which also leaves its
+    edge-triggered descriptor armed for the next one) and settle every call they answer, each read
+    straight from the message it arrived in (no bytes per frame): one event-loop wake-up settles a
+    whole burst in one pass. What needs policy goes to `odd` (see `settle`); a frame that does not
+    parse is counted in `link.dropped`, and settles nothing. Returns (frames received, calls settled)."""
+    cdef void* handle = handle_of(sock)
+    cdef zmq_msg_t msg
+    cdef long long frames = 0, settled = 0, dropped = 0
+    cdef size_t n
+    cdef int err
+    try:
+        while True:
+            zmq_msg_init(&msg)
+            if zmq_msg_recv(&msg, handle, ZMQ_DONTWAIT) < 0:
+                err = zmq_errno()
+                zmq_msg_close(&msg)
+                if err == EINTR:
+                    continue
+                if err == EAGAIN:
+                    break
+                raise ZMQError(err, zmq_error(err))
+            frames += 1
+            n = zmq_msg_size(&msg)
+            try:
+                if n:  # an empty frame (a delimiter) is not ours to send, yet harmless to skip
+                    settled += settle_frame(<const unsigned char*>zmq_msg_data(&msg), n, calls, odd)
+            except ValueError:  # not ours to judge: a reply we cannot read is dropped like a stray one
+                dropped += 1
+            finally:
+                zmq_msg_close(&msg)
+    finally:
+        if dropped:
+            link.dropped += dropped
+    return frames, settled
 
 
 def settle(bytes payload, dict calls, list odd) -> int:

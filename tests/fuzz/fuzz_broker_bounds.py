@@ -1,4 +1,4 @@
-"""Fuzz target: contract 1.4's bounds at the broker's compiled reader (broker/_core.pyx
+"""Fuzz target: contract 1.4's bounds at the broker's compiled reader (broker/_peek.pyx
 `peek_array`, `peek_request`; PROTOCOL.md "Version 1.4 additions"), on frames built to be
 expensive to walk. Every input runs under the harness's bound of CPU and memory
 (tests/fuzz/_harness.py `bounded`), so a path that walks, allocates or raises per element is a
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import Choices, run  # noqa: E402
 
-from tokenbroker.broker._core import MAX_ARRAY_REQUESTS, MAX_DEPTH, Peek, peek_array, peek_request  # noqa: E402
+from tokenbroker.broker._peek import MAX_ARRAY_REQUESTS, MAX_DEPTH, Peek, peek_array, peek_request  # noqa: E402
 from tokenbroker.common.errors import ProtocolError  # noqa: E402
 
 pack = msgpack.packb

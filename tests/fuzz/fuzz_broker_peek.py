@@ -1,4 +1,4 @@
-"""Fuzz target: the broker's compiled request parser, broker/_core.pyx `peek_request`, `peek_array`
+"""Fuzz target: the broker's compiled request parser, broker/_peek.pyx `peek_request`, `peek_array`
 and `route_key`, the first code hostile bytes reach, against msgpack's own reading.
 
 Each input is read as decisions (tests/fuzz/_harness.py's Choices) into one frame: the raw bytes
@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import Choices, run  # noqa: E402
 
-from tokenbroker.broker._core import MAX_DEPTH, Peek, peek_array, peek_request, route_key  # noqa: E402
+from tokenbroker.broker._peek import MAX_DEPTH, Peek, peek_array, peek_request  # noqa: E402
+from tokenbroker.broker._routekey import route_key  # noqa: E402
 from tokenbroker.common.errors import ProtocolError  # noqa: E402
 
 VALID = [
