@@ -190,33 +190,26 @@ def test_a_count_is_bounded_before_it_is_counted_and_its_deadline_watched_on_the
         assert conn.call("tokenize", text="still serving", timeout=60)["ok"]
 
 
-def test_small_requests_go_beside_fourteen_huge_image_counts_on_two_workers():
-    """Issue 40: fourteen 3,000-image bodies (296 KiB each) sent at once, small requests right behind.
-    A worker counts each body on its encode lane and the broker sends it one at a time, outside its
-    byte budget (broker/dispatch.py): the small requests go to the workers at once and are answered
-    while the first bodies are counted. Held by their bytes, four bodies filled a worker and the
-    small requests queued behind the six left over: each was answered after eight bodies."""
+def test_small_requests_go_beside_fourteen_huge_image_counts_on_two_workers(conn):
+    """Issue 40: fourteen 3,000-image bodies (296 KiB each) sent at once, small requests right behind
+    (the shared two-worker broker; its model o200k counts them, loaded, so no count builds an
+    encoding first). A worker counts each body on its encode lane and the broker sends it one at a
+    time, outside its byte budget (broker/_core.pyx `Dispatcher.enqueue`): the small requests go to
+    the workers at once and are answered while the first bodies are counted. Held by their bytes,
+    four bodies filled a worker and the small requests queued behind the six left over: each was
+    answered after eight or nine bodies."""
     b64 = _png_header(HUGE, HUGE)
-    shapes = [("contents" if fmt == "gemini.generate" else "messages", fmt, model, message, scaled)
-              for fmt, model, message, scaled in _HUGE_IMAGE_BODIES]
-    with serving(workers=2) as (_, conn):
-        want = conn.call("tokenize", text="small 0")["tokens"]
-        key, fmt, model, message, _ = shapes[1]
-        for i in range(2):  # o200k_base built on each worker first (one long count each, at once)
-            conn.send({"id": f"warm{i}", "op": "count", "body": {key: [message(b64)] * 3000}, "format": fmt, "model": model})
-        assert sorted(conn.recv(timeout=120)["id"] for _ in range(2)) == ["warm0", "warm1"]
-        for i in range(14):
-            key, fmt, model, message, _ = shapes[i % 3]
-            conn.send({"id": f"big{i}", "op": "count", "body": {key: [message(b64)] * 3000}, "format": fmt, "model": model})
-        for i in range(8):
-            conn.send({"id": f"small{i}", "op": "tokenize", "text": "small 0"})
-        replies = [conn.recv(timeout=120) for _ in range(14 + 8)]
-        assert all(r["ok"] for r in replies), [r for r in replies if not r["ok"]]
-        order = [r["id"] for r in replies]
-        bigs_before = [sum(o.startswith("big") for o in order[:order.index(f"small{i}")]) for i in range(8)]
-        assert max(bigs_before) <= 2, order  # each small one answered while the workers counted their first bodies
-        assert all(r["tokens"] == want for r in replies if r["id"].startswith("small"))
-        for r in replies:
-            if r["id"].startswith("big"):
-                scaled = shapes[int(r["id"][3:]) % 3][4]
-                assert 3000 * scaled <= r["count"] <= 3000 * (scaled + 16), r
+    fmt, _, message, scaled = _HUGE_IMAGE_BODIES[1]
+    big = {"op": "count", "body": {"messages": [message(b64)] * 3000}, "format": fmt, "model": "o200k"}
+    want = conn.call("tokenize", text="small")["tokens"]
+    for i in range(14):
+        conn.send({"id": f"big{i}", **big})
+    for i in range(8):
+        conn.send({"id": f"small{i}", "op": "tokenize", "text": "small"})
+    replies = [conn.recv(timeout=120) for _ in range(14 + 8)]
+    assert all(r["ok"] for r in replies), [r for r in replies if not r["ok"]]
+    order = [r["id"] for r in replies]
+    bigs_before = [sum(o.startswith("big") for o in order[:order.index(f"small{i}")]) for i in range(8)]
+    assert max(bigs_before) <= 2, order  # each small one answered while the workers counted their first bodies
+    assert all(r["tokens"] == want for r in replies if r["id"].startswith("small"))
+    assert all(3000 * scaled <= r["count"] <= 3000 * (scaled + 16) for r in replies if r["id"].startswith("big")), replies

@@ -5,6 +5,7 @@ answered before a 3,000-image count through a broker) is in test_count_e2e.py.""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import msgpack
@@ -16,7 +17,7 @@ from tokenbroker.common.config import ModelConfig, ModelSpec
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import SKIPPED
 from tokenbroker.workers.background import Lane
-from tokenbroker.workers.count_lane import COUNT_LANE_ITEMS, Stop, count_at_head, engine_encoder, wants_lane
+from tokenbroker.workers.count_lane import COUNT_LANE_ITEMS, Stop, count_at_head, engine_encoder, uncollected, wants_lane
 from tokenbroker.workers.ops import Ops, PendingJob
 from tokenbroker.workers.registry import ModelRegistry
 
@@ -120,3 +121,22 @@ def test_a_lane_count_stops_at_its_deadline_or_when_the_watchdog_cancels_it(regi
         for lane_ in (ops.renders, ops.encodes):
             assert lane_ is not None
             lane_.close()
+
+
+def test_a_lane_count_runs_with_the_collector_off_and_leaves_it_as_it_found_it() -> None:
+    """The body a lane count reads is never walked by the cyclic collector while it is counted
+    (a full collection held the GIL up to 35 ms); the collector is on again after, error or not,
+    and a collector someone else turned off stays off."""
+    assert gc.isenabled()
+    seen: list[bool] = []
+    assert uncollected(lambda: seen.append(gc.isenabled()) or 7)() == 7
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(ZeroDivisionError):
+        uncollected(lambda: 1 // 0)()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        uncollected(lambda: None)()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -38,7 +38,7 @@ from .budget import ITEM_OVERHEAD, ReplyBudget
 from .cache import OFF, CacheOutcome, u32_list
 from .background import Done, Lane
 from .count import count_request
-from .count_lane import Stop, count_at_head, engine_encoder, wants_lane
+from .count_lane import Stop, count_at_head, engine_encoder, uncollected, wants_lane
 from .registry import Model, ModelRegistry
 from .tokenin import CHAIN_MEMO_BYTES, Extras, Served, Tokenin, asks_extras, parse_extras
 from .tokenizers import InvalidTokenId, ids_to_u32
@@ -665,7 +665,7 @@ class Ops:
             except Exception as e:  # noqa: BLE001 - one request's error, as _serve answers it
                 return self._error(parsed.raw_id, e)
 
-        cast(Lane, self.encodes).submit((job, self._finish_large), call, job.deadline(), stop.cancel)
+        cast(Lane, self.encodes).submit((job, self._finish_large), uncollected(call), job.deadline(), stop.cancel)
 
     def op_count(self, p: dict, model_name: str | None, fmt: str,
                  encoder: Callable[[Model], Callable[[str], int]] | None = None) -> dict:
