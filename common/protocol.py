@@ -320,8 +320,9 @@ def parse_request(data: bytes) -> Request:
     if len(payload) != map_length(data):  # the decoder kept one value per key: a key came twice (1.4)
         raise repeated_key(first_repeated_key(data))
     rid = payload.get("id")
-    if isinstance(rid, (list, dict)):
-        raise ProtocolError("bad_request", f"field 'id' must be nil, bool, int, float, str or bin, got {type_name(rid)}")
+    problem = None if rid is None else id_problem(_ID_PACKER.pack(rid))  # the rule common/_wire.pxd states
+    if problem is not None:
+        raise ProtocolError("bad_request", problem)
     common = common_fields(payload)
     return Request(raw_id=_echo_id(data, rid), op=common.op, model=common.model,
                    deadline_ms=common.deadline_ms, affinity=common.affinity, tokens_format=common.tokens_format,

@@ -8,7 +8,10 @@ import msgpack
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tokenbroker.common._wire import MAX_DEPTH, WireError, skip_value
+from tokenbroker.broker.oversized import id_in_place
+from tokenbroker.common._wire import MAX_DEPTH, WireError, id_problem, skip_value
+from tokenbroker.common.errors import ProtocolError
+from tokenbroker.common.protocol import parse_request
 
 values = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1) | st.floats()
@@ -59,3 +62,26 @@ def test_hostile_headers(data, fault):
     with pytest.raises(WireError) as e:
         skip_value(data)
     assert e.value.fault == fault
+
+
+@pytest.mark.parametrize("value, kind", [
+    (None, None), (True, None), (-3, None), (2**64 - 1, None), (1.5, None), ("s", None), (b"b", None),
+    ([1], "list"), ({"a": 1}, "map"), (msgpack.ExtType(1, b"x"), "ext"),
+])
+def test_one_rule_says_which_ids_are_echoed(value, kind):
+    """common/_wire.pxd states it once; the broker's reader, its oversized path and the worker's
+    general path (parse_request) all read it there."""
+    problem = id_problem(msgpack.packb(value, use_bin_type=True))
+    frame = msgpack.packb({"op": "ping", "id": value}, use_bin_type=True)
+    if kind is None:
+        assert problem is None and id_in_place(memoryview(frame)) == msgpack.packb(value, use_bin_type=True)
+        assert parse_request(frame).op == "ping"
+        return
+    assert problem == f"field 'id' must be nil, bool, int, float, str or bin, got {kind}"
+    assert id_in_place(memoryview(frame)) == b"\xc0"
+    with pytest.raises(ProtocolError, match=f"got {kind}"):
+        parse_request(frame)
+
+
+def test_an_id_that_is_not_utf8_is_not_echoed():
+    assert "not valid UTF-8" in (id_problem(b"\xa1\xff") or "")
