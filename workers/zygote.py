@@ -124,9 +124,13 @@ class Zygote:
 
         def build() -> None:
             try:
-                for tok in {id(m.tokenizer): m.tokenizer for m in (*self.registry.models, *self.registry.dormant.values())}.values():
+                # One model per tokenizer names it: its tokenizer fingerprint keys the probes' verdict on
+                # disk (workers/engine.py verdict_dir), so the next start builds without re-probing.
+                held = {id(m.tokenizer): m for m in (*self.registry.models, *self.registry.dormant.values())}
+                for model in held.values():
+                    tok = model.tokenizer
                     if tok.fast is None and tok not in self.registry.engine_refused:
-                        engine, why = speed_up(tok, mode)  # logs what it chose and why
+                        engine, why = speed_up(tok, mode, name=model.name, fingerprint=model.tokenizer_fingerprint)
                         if engine is not None:
                             serve_fast(self.registry, tok, engine)
                         else:  # the workers inherit the verdict: none of them builds it again
