@@ -99,15 +99,12 @@ class Client:
         """
         if self._closed:
             raise RuntimeError("the client is closed")
-        futures = [self._turns.start(fn(item)) for item in items]
-        self._turns.run_until(lambda: all(f.done() for f in futures))
-        out: list[Any] = []
-        for f in futures:
-            error = f.exception()
-            if error is not None and not return_exceptions:
-                raise error
-            out.append(f.result() if error is None else error)
-        return out
+        outcomes = self._turns.run_all([fn(item) for item in items])
+        if not return_exceptions:
+            for ok, value in outcomes:
+                if not ok:
+                    raise value
+        return [value for _, value in outcomes]
 
     # --- one method per op, made from AsyncClient's (signature, annotations and docs kept) ------
 
