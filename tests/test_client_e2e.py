@@ -93,6 +93,36 @@ def test_the_sync_client_works_from_another_thread(broker):
     assert out == batch_ids(broker.endpoint, ["from a thread"])
 
 
+def test_threads_sharing_one_sync_client_take_turns_and_each_gets_its_own_answers(broker):
+    """A `Client` shared by threads is safe: they take turns (ZeroMQ sockets are not thread-safe),
+    every call answered with its own ids, nothing left pending."""
+    items = texts(60)
+    want = dict(zip(items, batch_ids(broker.endpoint, items)))
+    got: dict[int, list[tuple[str, list[int]]]] = {}
+    errors: list[BaseException] = []
+    with tb.Client(broker.endpoint, ids="list") as client:
+        def work(k: int) -> None:
+            try:
+                mine = got.setdefault(k, [])
+                for t in items[k::4]:
+                    mine.append((t, client.tokenize(t).tokens))
+                futures = [client.submit(client.aio.tokenize(t)) for t in items[k::4]]
+                mine.extend((t, f.result().tokens) for t, f in zip(items[k::4], futures))
+                mine.extend(zip(items[k::4], [r.tokens for r in client.map(client.aio.tokenize, items[k::4])]))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors and not any(t.is_alive() for t in threads)
+        assert client.pending() == 0
+    assert sum(len(v) for v in got.values()) == 3 * len(items)
+    assert all(ids == want[text] for pairs in got.values() for text, ids in pairs)
+
+
 # --- parity with the raw protocol --------------------------------------------------------------
 
 

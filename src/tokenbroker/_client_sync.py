@@ -5,8 +5,8 @@ shared) is stepped by hand, and while it waits the engine's turns run right ther
 (`_client_blocking.Turns`: its sockets' descriptors polled, replies read and settled in compiled
 code), with failover, deadlines and `overloaded` retries exactly as the async client has them. No
 event loop, no I/O thread, no hand-off per call. A batch (`map`, the `*_many` methods) is pipelined
-as the async client pipelines it. It is meant for one thread at a time (the sockets are used by
-whichever thread is waiting); `close()` must not race a call.
+as the async client pipelines it. Threads sharing one `Client` take turns, a call at a time
+(`Turns.lock`: ZeroMQ sockets are not thread-safe); `close()` must not race a call.
 """
 
 from __future__ import annotations
