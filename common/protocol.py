@@ -68,7 +68,7 @@ OUTCOME_INDEX = {name: i for i, name in enumerate(OUTCOMES)}
 SKIPPED = "skipped"  # the worker did not run the job: its budget had passed (the broker answers timeout)
 
 # A `count` payload longer than this is counted on a worker's encode lane (workers/count_lane.py), and
-# the broker lets a worker hold one such job at a time, outside its --worker-max-bytes (broker/dispatch.py).
+# the broker lets a worker hold one such job at a time, outside its --worker-max-bytes (broker/_dispatch.pyx).
 LANE_COUNT_BYTES = 16 * 1024
 
 MAX_BATCH_JOBS = 64  # jobs in one backend message, at most
@@ -359,12 +359,12 @@ def first_repeated_key(data: bytes) -> str:
     raise ValueError("the map holds no key twice")
 
 
-MAX_KEY_SHOWN = 200  # bytes of a repeated key named in its bad_request (client data), as broker/_core.pyx `_twice` cuts it
+MAX_KEY_SHOWN = 200  # bytes of a repeated key named in its bad_request (client data), as broker/_peek.pyx `_twice` cuts it
 
 
 def repeated_key(key: str) -> ProtocolError:
     """The bad_request of a request map that holds `key` twice (1.4, "Bounds on a request"), in the
-    words of the broker's core (broker/_core.pyx `_twice`), so a client reads the same answer from
+    words of the broker's core (broker/_peek.pyx `_twice`), so a client reads the same answer from
     whichever side found it.
 
     >>> repeated_key("text").message

@@ -194,7 +194,7 @@ def test_small_requests_go_beside_fourteen_huge_image_counts_on_two_workers(conn
     """Issue 40: fourteen 3,000-image bodies (296 KiB each) sent at once, small requests right behind
     (the shared two-worker broker; its model o200k counts them, loaded, so no count builds an
     encoding first). A worker counts each body on its encode lane and the broker sends it one at a
-    time, outside its byte budget (broker/_core.pyx `Dispatcher.enqueue`): the small requests go to
+    time, outside its byte budget (broker/_dispatch.pyx `Dispatcher.enqueue`): the small requests go to
     the workers at once and are answered while the first bodies are counted. Held by their bytes,
     four bodies filled a worker and the small requests queued behind the six left over: each was
     answered after eight or nine bodies."""
