@@ -25,6 +25,7 @@ CORES = [
     ("tokenbroker.common._wire", "common/_wire.pyx"),
     ("tokenbroker.broker._core", "broker/_core.pyx"),
     ("tokenbroker.workers._core", "workers/_core.pyx"),
+    ("tokenbroker.workers._round", "workers/_round.pyx"),
     ("tokenbroker.workers.cache._cache", "workers/cache/_cache.pyx"),
     ("tokenbroker._codec", "src/tokenbroker/_codec.pyx"),
 ]

@@ -162,7 +162,7 @@ class Ops:
         out: list[tuple[int, str, bytes] | None] = [None] * len(jobs)
         shared: dict[tuple[int, bool], list[tuple[int, _Plain]]] = {}  # plain jobs of one engine call
         models: dict[str | None, Model | None] = {}  # this round's plain-path model per name
-        alone = min(BATCH_STEP, self.limits.max_batch_items)  # a batch longer than this is encoded on its own
+        alone = self.alone
         now = time.monotonic()
         for i, job in enumerate(jobs):
             if job.budget_ms and (now - job.received) * 1000 > job.budget_ms:
@@ -213,6 +213,20 @@ class Ops:
             return None
 
     # --- the plain tokenize: one path ---------------------------------------------------
+
+    @property
+    def alone(self) -> int:
+        """A batch of more texts than this is encoded on its own (`_tokenize`), never in a shared call."""
+        return min(BATCH_STEP, self.limits.max_batch_items)
+
+    def plain_engine(self, name: str | None) -> tuple[Callable[..., tuple[bytes, bytes]], bytes] | None:
+        """How the worker's compiled round (workers/_round.pyx) serves plain tokenizes naming `name`
+        as `_tokenize_shared` would: (the engine's batch call, the reply's `cache` and `worker` tail),
+        for a model held here with its caches off; else None (`run` serves them)."""
+        model = self._known_model(name)
+        if model is None or model.cache.enabled:
+            return None
+        return model.tokenizer.encode_flat, self._cache_tail("off" if not self.registry.l0_enabled else "miss", 0)
 
     def _read_plain(self, job: PendingJob, payload: bytes, models: dict[str | None, Model | None] | None = None) -> _Plain | None:
         """The job (its `payload`) as a plain tokenize of a model this worker holds, or None (the
