@@ -11,6 +11,7 @@
 # add -> send (under the lock), as workers/main.py's round loop runs it.
 
 from cpython.buffer cimport PyBuffer_FillInfo
+from cpython.exc cimport PyErr_CheckSignals
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport uint64_t
@@ -20,9 +21,10 @@ from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from tokenbroker.common._pack cimport put_le
 from tokenbroker.common._wire cimport get_le
-from tokenbroker.common._zmq cimport (EAGAIN, EINTR, ZMQ_DONTWAIT, ZMQ_SNDMORE, handle_of, load_libzmq, zmq_errno,
-                                      zmq_error, zmq_msg_close, zmq_msg_data, zmq_msg_init, zmq_msg_init_data,
-                                      zmq_msg_more, zmq_msg_recv, zmq_msg_send, zmq_msg_size, zmq_msg_t, zmq_send)
+from tokenbroker.common._zmq cimport (EAGAIN, EINTR, ZMQ_DONTWAIT, ZMQ_POLLIN, ZMQ_SNDMORE, handle_of, load_libzmq,
+                                      zmq_errno, zmq_error, zmq_msg_close, zmq_msg_data, zmq_msg_init, zmq_msg_init_data,
+                                      zmq_msg_more, zmq_msg_recv, zmq_msg_send, zmq_msg_size, zmq_msg_t, zmq_poll,
+                                      zmq_pollitem_t, zmq_send)
 from tokenbroker.workers._core cimport Plain, check_ends, plain_text, read_plain_at, reply_bound, write_reply
 
 import zmq
@@ -118,6 +120,72 @@ cdef class Round:
         for i in range(self.count):
             top = max(top, self.jobs[i].budget_ms)
         return top
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def spin(self, sock, list fds not None, double until, object resolve, Py_ssize_t alone, Py_ssize_t inline_bytes,
+             Py_ssize_t copy_bytes, Py_ssize_t limit, Py_ssize_t max_jobs):
+        """Serve rounds until Python is needed: poll the socket and `fds` (the lanes' and the loader's)
+        until `until` (time.monotonic(): the next heartbeat), take the B_JOBS that arrive, serve them
+        (`serve`) and send their results (`send`), turn after turn, all in C.
+
+        Returns (frames, rest, sent, heard, dropped) once: `until` has passed; one of `fds` is readable
+        (Python polls them); a signal came (Python runs its handler); a control message arrived
+        (`frames`; the jobs taken before it stay in the round, for Python's turn); or a round holds
+        jobs for Python (`rest`, as `serve` returns them: Ops.run serves them, then `add` and `send`).
+        `sent`: results sent meanwhile; `heard`: anything arrived; `dropped`: W_RESULTS the socket's
+        send timeout dropped."""
+        cdef void* s = handle_of(sock)
+        cdef int n = <int>len(fds) + 1, i, rc, dropped = 0
+        cdef zmq_pollitem_t* items = <zmq_pollitem_t*>malloc(n * sizeof(zmq_pollitem_t))
+        cdef long timeout
+        cdef bint heard = False
+        cdef Py_ssize_t sent = 0, got
+        cdef object frames = None, rest = None
+        if items == NULL:
+            raise MemoryError()
+        try:
+            items[0].socket, items[0].fd, items[0].events = s, 0, ZMQ_POLLIN
+            for i in range(1, n):
+                items[i].socket, items[i].fd, items[i].events = NULL, fds[i - 1], ZMQ_POLLIN
+            while True:
+                timeout = <long>((until - _now()) * 1000)  # ms, rounded down as Poller.poll rounds
+                if timeout < 0:
+                    break
+                with nogil:
+                    rc = zmq_poll(items, n, timeout)
+                if rc < 0:
+                    if zmq_errno() != EINTR:
+                        raise zmq.ZMQError(zmq_errno(), zmq_error(zmq_errno()))
+                    PyErr_CheckSignals()
+                    break
+                if rc == 0:
+                    break
+                for i in range(1, n):
+                    if items[i].revents:
+                        break
+                else:
+                    i = 0
+                if i:
+                    break
+                heard = True
+                frames = self.take(sock, max_jobs)
+                if frames is not None:
+                    break
+                if not self.count:  # nothing for a round (a malformed batch raised from take)
+                    continue
+                rest = self.serve(resolve, alone, inline_bytes, copy_bytes, limit)
+                if rest:
+                    break
+                rest = None
+                got = self.send(sock)
+                if got < 0:
+                    dropped += 1
+                else:
+                    sent += got
+            return frames, rest, sent, heard, dropped
+        finally:
+            free(items)
 
     # --- receive -------------------------------------------------------------------------
 

@@ -219,6 +219,7 @@ class Worker:
         self.next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
         bye_at: float | None = None  # when BYE went out
         drained = False  # the broker has read our BYE: nothing more is on its way
+        fds = [self.loader.fd, *(lane.fd for lane in self.lanes)]  # what Round.spin polls beside the socket
         while True:
             with self.lock:
                 if self.leaving.is_set() and bye_at is None:
@@ -228,10 +229,14 @@ class Worker:
                 drain_s = 2 * HEARTBEAT_INTERVAL_S + (LANE_DRAIN_S if busy else 0.0)
                 if bye_at is not None and ((drained and not busy) or time.monotonic() - bye_at > drain_s):
                     break
-                timeout_ms = int(max(0.0, self.next_beat - time.monotonic()) * 1000)  # as Poller.poll rounds a float
+                rest, spun, stop = None, False, False
+                if bye_at is None and not self.round.jobs:  # the rounds in C, until Python is needed
+                    rest, spun, stop = self._spin(fds)
+                timeout_ms = 0 if spun else int(max(0.0, self.next_beat - time.monotonic()) * 1000)  # as Poller.poll rounds a float
                 events = dict(cast(zmq.Poller, self.poller).poll(timeout_ms))
-                if self.sock in events:
+                if spun or self.sock in events:
                     liveness, backoff, heard = HEARTBEAT_LIVENESS, RECONNECT_INIT_S, True
+                if self.sock in events and rest is None and not stop:  # (a served round is sent before more is taken)
                     drained |= self._take(bye_at is not None)
                 if self.loader.fd in events:
                     for loaded in self.installer.finished():
@@ -263,7 +268,7 @@ class Worker:
             for lane in finished:
                 self._send_results(self.ops.finish_deferred(lane))
             if self.round.jobs:
-                self._run_round()
+                self._run_round(rest)
             while self.unloads:
                 self.installer.unload(self.unloads.pop(0))
         self.loader.close()
@@ -288,9 +293,7 @@ class Worker:
         """Read what has arrived (up to a round's worth); True when a heartbeat followed our BYE.
 
         B_JOBS are taken by the compiled round (workers/_round.pyx: held as libzmq received them,
-        read in place); every other message comes back here. An UNLOAD ends the reading: the jobs
-        before it are served with the model, and what follows it is read once the model is gone
-        (the broker sends in order)."""
+        read in place); every other message comes back here (`_control`)."""
         drained = False
         sock = cast(zmq.Socket, self.sock)
         while True:
@@ -301,28 +304,58 @@ class Worker:
                 continue
             if frames is None:
                 return drained
-            kind = frames[0]
-            if kind == B_HEARTBEAT:
-                drained |= after_bye  # the broker sends in order: every job it sent before is here
-            elif kind == B_RESET and not after_bye:
-                log.warning("the broker had forgotten this worker (it was silent): saying READY again")
-                self._send([W_READY, self._ready()])
-            elif kind == B_LOAD and len(frames) == 2:
-                for loaded in self.installer.load(frames[1], leaving=after_bye or self.leaving.is_set()):
-                    self._send([W_LOADED, loaded.to_wire()])
-            elif kind == B_UNLOAD and len(frames) == 2:
-                self.unloads.append(frames[1])
+            heard_bye, stop = self._control(frames, after_bye)
+            drained |= heard_bye
+            if stop:
                 return drained
-            else:
-                log.warning("ignoring a backend message of kind %r with %d frames", kind[:8], len(frames))
 
-    def _run_round(self) -> None:
+    def _control(self, frames: list[bytes], after_bye: bool) -> tuple[bool, bool]:
+        """A message from the broker other than B_JOBS: (a heartbeat followed our BYE, stop reading).
+        An UNLOAD stops the reading: the jobs before it are served with the model, and what follows
+        it is read once the model is gone (the broker sends in order)."""
+        kind = frames[0]
+        if kind == B_HEARTBEAT:
+            return after_bye, False  # the broker sends in order: every job it sent before is here
+        if kind == B_RESET and not after_bye:
+            log.warning("the broker had forgotten this worker (it was silent): saying READY again")
+            self._send([W_READY, self._ready()])
+        elif kind == B_LOAD and len(frames) == 2:
+            for loaded in self.installer.load(frames[1], leaving=after_bye or self.leaving.is_set()):
+                self._send([W_LOADED, loaded.to_wire()])
+        elif kind == B_UNLOAD and len(frames) == 2:
+            self.unloads.append(frames[1])
+            return False, True
+        elif kind != B_RESET:
+            log.warning("ignoring a backend message of kind %r with %d frames", kind[:8], len(frames))
+        return False, False
+
+    def _spin(self, fds: list[int]) -> tuple[list | None, bool, bool]:
+        """Serve rounds in C until Python is needed or the next heartbeat is due (Round.spin, which
+        polls the socket and `fds`): (the jobs a round left for Ops.run, or None; anything arrived;
+        an UNLOAD came, so nothing more is read this turn)."""
+        ops = self.ops
+        try:
+            frames, rest, sent, heard, dropped = self.round.spin(
+                cast(zmq.Socket, self.sock), fds, self.next_beat, ops.plain_engine, ops.alone, OFFLOAD_BYTES,
+                LARGE_FRAME, ops.limits.max_reply_bytes, MAX_ROUND_JOBS)
+        except ValueError as e:
+            log.warning("ignoring a malformed job batch: %s", e)
+            return None, True, False
+        self.served += sent
+        for _ in range(dropped):
+            log.warning("could not send to the broker within %.1fs: a message was dropped", HEARTBEAT_INTERVAL_S)
+        stop = frames is not None and self._control(frames, False)[1]
+        return rest, heard, stop
+
+    def _run_round(self, rest: list | None = None) -> None:
         """Serve the round taken: the compiled round answers the plain tokenizes of cache-less models
-        in place, Ops.run the jobs it hands back; one W_RESULTS for them all."""
+        in place, Ops.run the jobs it hands back (`rest`, when Round.spin has served the round
+        already); one W_RESULTS for them all."""
         rnd, ops = self.round, self.ops
         self.round_until = time.monotonic() + rnd.max_budget_ms / 1000 + WATCHDOG_GRACE_S
         try:
-            rest = rnd.serve(ops.plain_engine, ops.alone, OFFLOAD_BYTES, LARGE_FRAME, ops.limits.max_reply_bytes)
+            if rest is None:
+                rest = rnd.serve(ops.plain_engine, ops.alone, OFFLOAD_BYTES, LARGE_FRAME, ops.limits.max_reply_bytes)
             if rest:
                 rnd.add(ops.run([PendingJob(*job) for job in rest]))
         finally:
