@@ -325,7 +325,7 @@ class Worker:
         elif kind == B_UNLOAD and len(frames) == 2:
             self.unloads.append(frames[1])
             return False, True
-        elif kind != B_RESET:
+        else:
             log.warning("ignoring a backend message of kind %r with %d frames", kind[:8], len(frames))
         return False, False
 
