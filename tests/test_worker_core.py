@@ -14,14 +14,17 @@ from dataclasses import replace
 
 import msgpack
 import pytest
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import BERT_DIR
 from tokenbroker.common.config import CacheConfig, ModelConfig, ModelSpec
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import NIL, parse_request
+from tokenbroker.common.protocol import (B_JOBS, JOB, NIL, OUTCOME_INDEX, RESULT, W_RESULTS, pack_jobs, parse_request, raw_id,
+                                         unpack_results)
 from tokenbroker.workers._core import pack_tokens, read_plain
+from tokenbroker.workers._round import Round
 from tokenbroker.workers.engine import build_fast
 from tokenbroker.workers.ops import Ops, PendingJob
 from tokenbroker.workers.registry import ModelRegistry
@@ -229,3 +232,103 @@ def test_with_caches_the_reply_budget_edges_are_the_general_paths(cache):
             assert (reply, outcome) == alone._serve(parse_request(payload), len(payload)), (limit, size)
             assert outcome == ("ok" if limit >= size else "too_large")
     assert ops.registry.models[0].cache.stats() == alone.registry.models[0].cache.stats()
+
+
+# --- the compiled round over libzmq (workers/_round.pyx) -------------------------------------------
+
+GENERAL = [msgpack.packb(p, use_bin_type=True) for p in (
+    {"id": 1, "op": "detokenize", "tokens": [1, 2, 3], "model": "m"},
+    {"id": 2, "op": "tokenize", "text": "hi", "model": "nobody"},
+    {"id": 3, "op": "tokenize", "text": "hi", "model": "m", "return_offsets": True},
+    {"id": 4, "op": "tokenize", "text": ["a"] * 300, "model": "m"},
+    {"id": 5, "op": "tokenize", "text": b"\xff", "model": "m"},
+)] + [b"\x93\x01", msgpack.packb({"id": 6, "op": "tokenize", "text": "x"})[:-1] + b"\xff"]
+
+
+@pytest.fixture()
+def wire():
+    """A ROUTER (the broker) and a DEALER (the worker's socket) over inproc, the DEALER's identity known."""
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    router.bind("inproc://round")
+    dealer.connect("inproc://round")
+    dealer.send(b"hello")
+    ident, _ = router.recv_multipart()
+    yield router, dealer, ident
+    router.close(0)
+    dealer.close(0)
+    ctx.term()
+
+
+def _round_trip(wire, ops: Ops, batches: list[list[tuple[int, int, bytes]]], control: list[list[bytes]] = ()) -> dict:
+    """The batches as B_JOBS (and `control` messages after the first) through Round: take, serve,
+    ops.run of what it hands back, add, send; the results the ROUTER reads, by job id."""
+    router, dealer, ident = wire
+    for k, batch in enumerate(batches):
+        router.send_multipart([ident, *pack_jobs(batch)])
+        if k == 0:
+            for frames in control:
+                router.send_multipart([ident, *frames])
+    rnd = Round(B_JOBS, W_RESULTS, OUTCOME_INDEX, JOB.size, RESULT.size)
+    taken: list[list[bytes]] = []
+    wanted = sum(len(b) for b in batches)
+    while rnd.jobs < wanted or len(taken) < len(control):
+        assert dealer.poll(5000)
+        frames = rnd.take(dealer, 4096)
+        if frames is not None:
+            taken.append(frames)
+    assert taken == list(control)
+    time.sleep(0.01)  # past the 1 ms budget of the jobs that have one
+    rest = rnd.serve(ops.plain_engine, ops.alone, 64 * 1024, 1 << 16, ops.limits.max_reply_bytes)
+    rnd.add(ops.run([PendingJob(*job) for job in rest]))
+    assert rnd.send(dealer) == wanted
+    _, kind, *body = router.recv_multipart()
+    assert kind == W_RESULTS
+    return {job_id: (outcome, bytes(reply)) for job_id, outcome, reply in unpack_results(body)}
+
+
+def test_a_compiled_round_answers_as_ops_run_does_byte_for_byte(registry, wire):
+    """Plain tokenizes answered in C over libzmq, the rest by Ops.run, in one W_RESULTS: each reply
+    is what the request served alone gets; a job past its budget is skipped; a control message
+    taken between two B_JOBS comes back to Python as its frames."""
+    payloads = _payloads() + GENERAL
+    half = len(payloads) // 2
+    batches = [[(i, 0, p) for i, p in enumerate(payloads[:half])],
+               [(half + i, 0, p) for i, p in enumerate(payloads[half:])],
+               [(10**6, 1, payloads[0])]]
+    got = _round_trip(wire, Ops(registry, "w"), batches, control=[[b"h"], [b"u", b"m2"]])
+    alone = Ops(registry, "w")
+    for i, payload in enumerate(payloads):
+        try:
+            want = alone._serve(parse_request(payload), len(payload))
+        except ProtocolError as e:
+            want = alone._error(raw_id(payload), e)
+        assert got[i] == (want[1], want[0]), (i, payload[:80])
+    assert got[10**6] == ("skipped", b"")
+
+
+def test_a_compiled_round_leaves_a_reply_past_the_budget_to_the_general_path(registry, wire):
+    """Replies over --max-reply-bytes: the compiled round writes none of them, Ops.run answers
+    too_large, byte for byte what each request alone gets."""
+    payloads = [p for p in _payloads() if len(p) < 3000][::7]
+    ops, alone = Ops(registry, "w"), Ops(registry, "w")
+    ops.limits = alone.limits = replace(registry.limits, max_reply_bytes=60)
+    got = _round_trip(wire, ops, [[(i, 0, p) for i, p in enumerate(payloads)]])
+    for i, payload in enumerate(payloads):
+        reply, outcome = alone._serve(parse_request(payload), len(payload))
+        assert got[i] == (outcome, reply)
+    assert {outcome for outcome, _ in got.values()} >= {"too_large"}
+
+
+def test_a_malformed_job_batch_is_dropped_and_the_next_one_taken(registry, wire):
+    router, dealer, ident = wire
+    header, blob = pack_jobs([(1, 0, b"\x80"), (2, 0, b"\x80")])[1:]
+    rnd = Round(B_JOBS, W_RESULTS, OUTCOME_INDEX, JOB.size, RESULT.size)
+    for frames in ([B_JOBS, header, blob + b"x"], [B_JOBS, header[:-1], blob], [B_JOBS, header], [B_JOBS, header, blob, b"x"]):
+        router.send_multipart([ident, *frames])
+        assert dealer.poll(5000)
+        with pytest.raises(ValueError):
+            rnd.take(dealer, 4096)
+    assert rnd.jobs == 0
+    got = _round_trip(wire, Ops(registry, "w"), [[(7, 0, _payloads()[0])]])
+    assert list(got) == [7] and got[7][0] == "ok"

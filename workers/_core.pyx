@@ -13,9 +13,11 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
 
+
 from tokenbroker.common._pack cimport (UINTS_SLACK, array_head_size, bin_head_size, put_array_head, put_bin_head, put_uint,
                            put_uints_u32le, uint_size)
-from tokenbroker.common._wire cimport Head, K_ARRAY, K_BOOL, K_EXT, K_INT, K_MAP, K_NIL, K_STR, K_UINT, W_OK, get_le, read_head, skip
+from tokenbroker.common._wire cimport (Head, K_ARRAY, K_BOOL, K_EXT, K_INT, K_MAP, K_NIL, K_STR, K_UINT, W_OK, get_le, read_head, skip,
+                                       utf8_valid)
 
 # The keys a plain tokenize may carry (the common fields and tokenize's own); any other key, or one
 # twice, sends the payload to the general path.
@@ -59,6 +61,113 @@ cdef object _utf8(const unsigned char* p, Py_ssize_t n):
         return None
 
 
+cdef bint read_plain_at(const unsigned char* p, Py_ssize_t end, Plain* out) noexcept nogil:
+    """Whether the n bytes at p are a plain tokenize (read_plain says which), and where its fields
+    are. Builds nothing: the texts' UTF-8 is checked when they are decoded (`plain_text`), every
+    other str here (the model, an id, affinity)."""
+    cdef Py_ssize_t pos = 0, start, after, i, pairs
+    cdef Head h, v
+    cdef int seen = 0, key
+    out.text_at = out.model_at = out.rid_at = -1
+    out.n = out.model_len = out.rid_len = 0
+    out.batch = out.u32 = False
+    out.special = True
+    if read_head(p, end, &pos, &h) != W_OK or h.kind != K_MAP:
+        return False
+    pairs = h.length
+    while pairs > 0:
+        pairs -= 1
+        if read_head(p, end, &pos, &h) != W_OK or h.kind != K_STR:
+            return False
+        key = _key(p + pos, h.length)
+        pos += h.length
+        if key == 0 or seen & key:
+            return False
+        seen |= key
+        start = pos
+        if read_head(p, end, &pos, &v) != W_OK:
+            return False
+        if key == KEY_TEXT:
+            out.text_at = start
+            if v.kind == K_STR:
+                out.n = 1
+                pos += v.length
+            elif v.kind == K_ARRAY:
+                out.n, out.batch = v.length, True
+                for i in range(v.length):
+                    if read_head(p, end, &pos, &h) != W_OK or h.kind != K_STR:
+                        return False
+                    pos += h.length
+            else:
+                return False
+        elif key == KEY_OP:
+            if v.kind != K_STR or v.length != 8 or memcmp(p + pos, b"tokenize", 8) != 0:
+                return False
+            pos += 8
+        elif key == KEY_ID:
+            if v.kind == K_ARRAY or v.kind == K_MAP or v.kind == K_EXT:
+                return False
+            if v.kind == K_STR and not utf8_valid(p + pos, v.length):
+                return False
+            after = skip(p, end, start, ID_DEPTH)
+            if after < 0:
+                return False
+            out.rid_at, out.rid_len = start, after - start
+            pos = after
+        elif key == KEY_MODEL:
+            if v.kind == K_STR:
+                if not utf8_valid(p + pos, v.length):
+                    return False
+                out.model_at, out.model_len = pos, v.length
+                pos += v.length
+            elif v.kind != K_NIL:
+                return False
+        elif key == KEY_FORMAT:
+            if v.kind == K_STR and v.length == 3 and memcmp(p + pos, b"u32", 3) == 0:
+                out.u32 = True
+            elif not (v.kind == K_NIL or (v.kind == K_STR and v.length == 4 and memcmp(p + pos, b"list", 4) == 0)):
+                return False
+            if v.kind == K_STR:
+                pos += v.length
+        elif key == KEY_SPECIAL:
+            if v.kind == K_BOOL:
+                out.special = v.ival != 0
+            elif v.kind != K_NIL:
+                return False
+        elif key == KEY_DEADLINE:
+            if not (v.kind == K_NIL or (v.kind == K_UINT and v.uval > 0) or (v.kind == K_INT and v.ival > 0)):
+                return False
+        elif key == KEY_AFFINITY:
+            if v.kind == K_STR:
+                if not utf8_valid(p + pos, v.length):
+                    return False
+                pos += v.length
+            elif v.kind != K_NIL:
+                return False
+    return pos == end and (seen & KEY_OP) != 0 and out.text_at >= 0
+
+
+cdef object plain_text(const unsigned char* p, Py_ssize_t end, Plain* plain):
+    """The `text` of a payload read_plain_at took: a str, or a list of str for a batch; None when a
+    text is not valid UTF-8 (the general path names the fault)."""
+    cdef Py_ssize_t pos = plain.text_at, i
+    cdef Head h
+    cdef object item
+    cdef list texts
+    read_head(p, end, &pos, &h)
+    if not plain.batch:
+        return _utf8(p + pos, h.length)
+    texts = []
+    for i in range(plain.n):
+        read_head(p, end, &pos, &h)
+        item = _utf8(p + pos, h.length)
+        if item is None:
+            return None
+        pos += h.length
+        texts.append(item)
+    return texts
+
+
 def read_plain(object payload):
     """(text, model, u32, add_special_tokens, raw id bytes) of a plain tokenize payload, or None.
 
@@ -73,94 +182,15 @@ def read_plain(object payload):
         return None
     cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(payload)
     cdef Py_ssize_t end = PyBytes_GET_SIZE(payload)
-    cdef Py_ssize_t pos = 0, start, after, i
-    cdef Head h, v
-    cdef int seen = 0, key
-    cdef Py_ssize_t pairs
-    cdef bint u32 = False, special = True
-    cdef object text = None, model = None, rid = b"\xc0", item
-    cdef list texts
-    if read_head(p, end, &pos, &h) != W_OK or h.kind != K_MAP:
+    cdef Plain plain
+    if not read_plain_at(p, end, &plain):
         return None
-    pairs = h.length
-    while pairs > 0:
-        pairs -= 1
-        if read_head(p, end, &pos, &h) != W_OK or h.kind != K_STR:
-            return None
-        key = _key(p + pos, h.length)
-        pos += h.length
-        if key == 0 or seen & key:
-            return None
-        seen |= key
-        start = pos
-        if read_head(p, end, &pos, &v) != W_OK:
-            return None
-        if key == KEY_TEXT:
-            if v.kind == K_STR:
-                text = _utf8(p + pos, v.length)
-                if text is None:
-                    return None
-                pos += v.length
-            elif v.kind == K_ARRAY:
-                texts = []
-                for i in range(v.length):
-                    if read_head(p, end, &pos, &h) != W_OK or h.kind != K_STR:
-                        return None
-                    item = _utf8(p + pos, h.length)
-                    if item is None:
-                        return None
-                    pos += h.length
-                    texts.append(item)
-                text = texts
-            else:
-                return None
-        elif key == KEY_OP:
-            if v.kind != K_STR or v.length != 8 or memcmp(p + pos, b"tokenize", 8) != 0:
-                return None
-            pos += 8
-        elif key == KEY_ID:
-            if v.kind == K_ARRAY or v.kind == K_MAP or v.kind == K_EXT:
-                return None
-            if v.kind == K_STR and _utf8(p + pos, v.length) is None:
-                return None
-            after = skip(p, end, start, ID_DEPTH)
-            if after < 0:
-                return None
-            rid = PyBytes_FromStringAndSize(<const char*>p + start, after - start)
-            pos = after
-        elif key == KEY_MODEL:
-            if v.kind == K_STR:
-                model = _utf8(p + pos, v.length)
-                if model is None:
-                    return None
-                pos += v.length
-            elif v.kind != K_NIL:
-                return None
-        elif key == KEY_FORMAT:
-            if v.kind == K_STR and v.length == 3 and memcmp(p + pos, b"u32", 3) == 0:
-                u32 = True
-            elif not (v.kind == K_NIL or (v.kind == K_STR and v.length == 4 and memcmp(p + pos, b"list", 4) == 0)):
-                return None
-            if v.kind == K_STR:
-                pos += v.length
-        elif key == KEY_SPECIAL:
-            if v.kind == K_BOOL:
-                special = v.ival != 0
-            elif v.kind != K_NIL:
-                return None
-        elif key == KEY_DEADLINE:
-            if not (v.kind == K_NIL or (v.kind == K_UINT and v.uval > 0) or (v.kind == K_INT and v.ival > 0)):
-                return None
-        elif key == KEY_AFFINITY:
-            if v.kind == K_STR:
-                if _utf8(p + pos, v.length) is None:
-                    return None
-                pos += v.length
-            elif v.kind != K_NIL:
-                return None
-    if pos != end or not (seen & KEY_OP) or text is None:
+    text = plain_text(p, end, &plain)
+    if text is None:
         return None
-    return text, model, u32, special, rid
+    model = None if plain.model_at < 0 else PyUnicode_DecodeUTF8(<const char*>p + plain.model_at, plain.model_len, NULL)
+    rid = b"\xc0" if plain.rid_at < 0 else PyBytes_FromStringAndSize(<const char*>p + plain.rid_at, plain.rid_len)
+    return text, model, plain.u32, plain.special, rid
 
 
 # --- replies ---------------------------------------------------------------------------------------
@@ -174,16 +204,60 @@ cdef enum:
     ITEM_OVERHEAD = 5   # workers/budget.py: what the reply budget charges per tokens value besides its ids
     NOGIL_IDS = 65536   # ids from which pack_tokens lets the GIL go while it writes (~0.1 ms of work)
 
-cdef Py_ssize_t _write(unsigned char* o, const unsigned char* f, const unsigned char* e, Py_ssize_t first, Py_ssize_t n,
-                       bint batch, bint u32) noexcept nogil:
-    """The `tokens` value of texts first..first+n into o; its size. For a list, o has room for 5 bytes
-    an id, the headers and UINTS_SLACK; for u32, exactly."""
+
+cdef inline Py_ssize_t _end_of(const unsigned char* e, Py_ssize_t i) noexcept nogil:
+    return <Py_ssize_t>get_le(e + 8 * i, 8)
+
+
+cdef int check_ends(const unsigned char* e, Py_ssize_t ends_bytes, Py_ssize_t ids, Py_ssize_t first, Py_ssize_t n,
+                    bint batch) except -1:
+    """ValueError unless texts first..first+n lie in `ends` and their ends in a buffer of `ids` ids."""
+    cdef Py_ssize_t i
+    cdef unsigned long long at, prev = 0
+    if n < 0 or first < 0 or (first + n + 1) * 8 > ends_bytes or (not batch and n != 1):
+        raise ValueError("pack_tokens: texts out of range")
+    for i in range(first, first + n + 1):
+        at = get_le(e + 8 * i, 8)
+        if at > <unsigned long long>ids or at < prev:
+            raise ValueError("pack_tokens: ends out of range")
+        prev = at
+    return 0
+
+
+cdef Py_ssize_t reply_bound(const unsigned char* e, Py_ssize_t first, Py_ssize_t n, bint batch, bint u32,
+                            Py_ssize_t rid_len, Py_ssize_t tail_len, Py_ssize_t limit) noexcept nogil:
+    """Room write_reply needs for texts first..first+n (exact for u32; for a list 5 bytes an id and
+    UINTS_SLACK); -1 when the reply budget (--max-reply-bytes, `limit`) might refuse the reply (what
+    workers/budget.py charges first passes it, or a u32 reply's exact size does)."""
+    cdef Py_ssize_t i, count = _end_of(e, first + n) - _end_of(e, first), size
+    if (4 if u32 else 5) * count + ITEM_OVERHEAD * n > limit:
+        return -1
+    size = HEAD_LEN + rid_len + OK_TOKENS_LEN + COUNT_LEN + uint_size(count) + tail_len
+    if not u32:
+        return size + 5 * (count + n + 1) + UINTS_SLACK
+    size += array_head_size(n) * batch + 4 * count
+    for i in range(first, first + n):
+        size += bin_head_size(4 * (_end_of(e, i + 1) - _end_of(e, i)))
+    return size if size <= limit else -1
+
+
+cdef Py_ssize_t write_reply(unsigned char* o, const unsigned char* f, const unsigned char* e, Py_ssize_t first,
+                            Py_ssize_t n, bint batch, bint u32, const unsigned char* rid, Py_ssize_t rid_len,
+                            const unsigned char* tail, Py_ssize_t tail_len) noexcept nogil:
+    """The reply of one tokenize served from a batch encode (texts first..first+n of the engine's u32
+    ids `f`, ends `e`) at o, which has reply_bound's room; its size. `rid`: the id's bytes."""
     cdef unsigned char* start = o
     cdef Py_ssize_t i, a, b
+    memcpy(o, b"\x86\xa2id", HEAD_LEN)
+    o += HEAD_LEN
+    memcpy(o, rid, rid_len)
+    o += rid_len
+    memcpy(o, b"\xa2ok\xc3\xa6tokens", OK_TOKENS_LEN)
+    o += OK_TOKENS_LEN
     if batch:
         o = put_array_head(o, n)
     for i in range(first, first + n):
-        a, b = <Py_ssize_t>get_le(e + 8 * i, 8), <Py_ssize_t>get_le(e + 8 * (i + 1), 8)
+        a, b = _end_of(e, i), _end_of(e, i + 1)
         if u32:
             o = put_bin_head(o, 4 * (b - a))
             if b > a:
@@ -192,7 +266,10 @@ cdef Py_ssize_t _write(unsigned char* o, const unsigned char* f, const unsigned 
         else:
             o = put_array_head(o, b - a)
             o = put_uints_u32le(o, f, a, b)
-    return o - start
+    memcpy(o, b"\xa5count", COUNT_LEN)
+    o = put_uint(o + COUNT_LEN, _end_of(e, first + n) - _end_of(e, first))
+    memcpy(o, tail, tail_len)
+    return o + tail_len - start
 
 
 def pack_tokens(bytes flat not None, bytes ends not None, Py_ssize_t first, Py_ssize_t n, bint batch, bint u32,
@@ -205,70 +282,35 @@ def pack_tokens(bytes flat not None, bytes ends not None, Py_ssize_t first, Py_s
     """
     cdef const unsigned char* f = <const unsigned char*>PyBytes_AS_STRING(flat)
     cdef const unsigned char* e = <const unsigned char*>PyBytes_AS_STRING(ends)
-    cdef Py_ssize_t i, a, count, bound, size, fixed
-    cdef unsigned long long at, prev = 0, ids = <unsigned long long>(PyBytes_GET_SIZE(flat) // 4)
+    cdef const unsigned char* r = <const unsigned char*>PyBytes_AS_STRING(rid)
+    cdef const unsigned char* t = <const unsigned char*>PyBytes_AS_STRING(tail)
+    cdef Py_ssize_t bound, size, rlen = PyBytes_GET_SIZE(rid), tlen = PyBytes_GET_SIZE(tail)
+    cdef bint free_gil
     cdef unsigned char* o
-    cdef unsigned char* scratch = NULL
     cdef object reply
-    if n < 0 or first < 0 or (first + n + 1) * 8 > PyBytes_GET_SIZE(ends) or (not batch and n != 1):
-        raise ValueError("pack_tokens: texts out of range")
-    for i in range(first, first + n + 1):
-        at = get_le(e + 8 * i, 8)
-        if at > ids or at < prev:
-            raise ValueError("pack_tokens: ends out of range")
-        prev = at
-    count = <Py_ssize_t>(get_le(e + 8 * (first + n), 8) - get_le(e + 8 * first, 8))
-    if (4 if u32 else 5) * count + ITEM_OVERHEAD * n > limit:  # what workers/budget.py charges first
+    check_ends(e, PyBytes_GET_SIZE(ends), PyBytes_GET_SIZE(flat) // 4, first, n, batch)
+    bound = reply_bound(e, first, n, batch, u32, rlen, tlen, limit)
+    if bound < 0:
         return None
-    fixed = HEAD_LEN + PyBytes_GET_SIZE(rid) + OK_TOKENS_LEN + COUNT_LEN + uint_size(count) + PyBytes_GET_SIZE(tail)
-    if u32:  # the size is known: written in place
-        size = fixed + array_head_size(n) * batch + 4 * count
-        for i in range(first, first + n):
-            a = <Py_ssize_t>(get_le(e + 8 * (i + 1), 8) - get_le(e + 8 * i, 8))
-            size += bin_head_size(4 * a)
-        if size > limit:
-            return None
-        reply = PyBytes_FromStringAndSize(NULL, size)
+    free_gil = _end_of(e, first + n) - _end_of(e, first) >= NOGIL_IDS
+    if u32:  # the size is known: written in place (the bytes object is this call's alone until it returns)
+        reply = PyBytes_FromStringAndSize(NULL, bound)
         o = <unsigned char*>PyBytes_AS_STRING(reply)
-        o = _head(o, rid)
-        if count >= NOGIL_IDS:
-            with nogil:  # the bytes object is this call's alone until it returns
-                o += _write(o, f, e, first, n, batch, True)
+        if free_gil:
+            with nogil:
+                write_reply(o, f, e, first, n, batch, True, r, rlen, t, tlen)
         else:
-            o += _write(o, f, e, first, n, batch, True)
-        _end(o, count, tail)
+            write_reply(o, f, e, first, n, batch, True, r, rlen, t, tlen)
         return reply
-    bound = 5 * (count + n + 1) + UINTS_SLACK  # a list: written to scratch, then copied at its size
-    scratch = <unsigned char*>malloc(bound)
-    if scratch == NULL:
+    o = <unsigned char*>malloc(bound)  # a list: written to scratch, then copied at its size
+    if o == NULL:
         raise MemoryError()
     try:
-        if count >= NOGIL_IDS:
+        if free_gil:
             with nogil:
-                size = _write(scratch, f, e, first, n, batch, False)
+                size = write_reply(o, f, e, first, n, batch, False, r, rlen, t, tlen)
         else:
-            size = _write(scratch, f, e, first, n, batch, False)
-        if fixed + size > limit:
-            return None
-        reply = PyBytes_FromStringAndSize(NULL, fixed + size)
-        o = _head(<unsigned char*>PyBytes_AS_STRING(reply), rid)
-        memcpy(o, scratch, size)
-        _end(o + size, count, tail)
-        return reply
+            size = write_reply(o, f, e, first, n, batch, False, r, rlen, t, tlen)
+        return None if size > limit else PyBytes_FromStringAndSize(<const char*>o, size)
     finally:
-        free(scratch)
-
-
-cdef inline unsigned char* _head(unsigned char* o, bytes rid) noexcept:
-    memcpy(o, b"\x86\xa2id", HEAD_LEN)
-    o += HEAD_LEN
-    memcpy(o, PyBytes_AS_STRING(rid), PyBytes_GET_SIZE(rid))
-    o += PyBytes_GET_SIZE(rid)
-    memcpy(o, b"\xa2ok\xc3\xa6tokens", OK_TOKENS_LEN)
-    return o + OK_TOKENS_LEN
-
-
-cdef inline void _end(unsigned char* o, Py_ssize_t count, bytes tail) noexcept:
-    memcpy(o, b"\xa5count", COUNT_LEN)
-    o = put_uint(o + COUNT_LEN, count)
-    memcpy(o, PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail))
+        free(o)

@@ -2,7 +2,9 @@
 
 The main thread polls the socket, takes every job that has arrived (the broker sends them in
 batches), runs them, and sends their results in one message: one hand-off per batch, no queue
-between threads. Heartbeats go out between batches; during a long batch a small beat thread
+between threads. The round is compiled code over libzmq (workers/_round.pyx): B_JOBS are held as
+libzmq received them, a plain tokenize of a cache-less model is read in place, encoded and its
+reply written into the W_RESULTS frame; Python serves the rest (Ops.run) and every control message. Heartbeats go out between batches; during a long batch a small beat thread
 borrows the socket under a lock (the main thread holds it whenever it touches the socket, and
 never while it computes), so a busy worker still says it is alive, but only while the batch is
 within its budget: a compute thread stuck past its jobs' deadlines stops heartbeating, and the
@@ -61,22 +63,26 @@ from tokenbroker.common.protocol import (
     B_UNLOAD,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
+    JOB,
+    OUTCOME_INDEX,
     PROTOCOL_VERSION,
+    RESULT,
     W_BYE,
     W_HEARTBEAT,
     W_LOADED,
     W_READY,
+    W_RESULTS,
     Ready,
     pack,
     pack_results,
-    unpack_jobs,
 )
 
+from ._round import Round
 from .background import Lane
 from .config import WorkerConfig
 from .join import BrokerUnreachable, join
 from .loader import Loader, ModelInstaller
-from .ops import Ops, PendingJob
+from .ops import OFFLOAD_BYTES, Ops, PendingJob
 from .registry import ModelRegistry
 from .zygote import Zygote
 
@@ -84,14 +90,13 @@ log = logging.getLogger(__name__)
 
 MAX_ROUND_JOBS = 256  # jobs run in one round before their results go out
 WATCHDOG_GRACE_S = 2.0  # a round may run this long past its jobs' budgets before heartbeats stop
-LARGE_FRAME = 1 << 16  # frames longer than this are taken as views of ZeroMQ's buffer, never copied
+LARGE_FRAME = 1 << 16  # payloads longer than this go to Python as views of ZeroMQ's buffer, never copied
 PSS_EVERY_S = 5.0  # PSS is read at most this often (a page-table walk), RSS with every heartbeat
 LANE_DRAIN_S = 11.0  # leaving, a worker waits this long for its renders and encodes (a render's budget is 10 s)
 
 
-_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-_raw_send: Any = zmq.backend.Socket.send  # the Cython methods under pyzmq's Python wrappers: send_multipart
-_raw_recv: Any = zmq.backend.Socket.recv  # and recv_multipart cost 10-18 us a message, these 1-2 us a frame
+_SNDMORE = int(zmq.SNDMORE)
+_raw_send: Any = zmq.backend.Socket.send  # the Cython method under pyzmq's send_multipart (10-18 us a message; this 1-2 us a frame)
 _COPY_THRESHOLD = zmq.COPY_THRESHOLD
 
 
@@ -101,27 +106,6 @@ def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         _raw_send(sock, frame, _SNDMORE if i < last else 0, len(frame) < _COPY_THRESHOLD)
-
-
-def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
-    """sock.recv_multipart(zmq.NOBLOCK, copy=False) through the Cython recv: zmq.Again when nothing
-    waits (`readable` says so first, without the exception's ~4 us)."""
-    frame = _raw_recv(sock, _NOBLOCK, False)
-    frames = [frame]
-    while frame.more:  # the rest of a multipart message is there once its first frame is
-        frame = _raw_recv(sock, _NOBLOCK, False)
-        frames.append(frame)
-    return frames
-
-
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
-_raw_get: Any = zmq.backend.Socket.get
-
-
-def readable(sock: zmq.Socket) -> bool:
-    """Whether a message waits on `sock` now (ZMQ_EVENTS: ~1 us, where a recv that finds nothing
-    raises zmq.Again, ~4 us: the round loop asks once per message and once more at its end)."""
-    return bool(_raw_get(sock, _EVENTS) & _POLLIN)
 
 
 def build_ready(config: WorkerConfig, name: str, incarnation: str, registry: ModelRegistry) -> Ready:
@@ -156,6 +140,7 @@ class Worker:
         ops.renders, ops.encodes = self.lanes
         self.installer = ModelInstaller(registry, self.loader, config.models.max_models)
         self.lock = threading.Lock()  # held by whoever touches `sock`
+        self.round = Round(B_JOBS, W_RESULTS, OUTCOME_INDEX, JOB.size, RESULT.size)  # workers/_round.pyx
         self.sock: zmq.Socket | None = None
         self.poller: zmq.Poller | None = None
         self.unloads: list[bytes] = []  # B_UNLOAD bodies, applied after the jobs that came before them
@@ -251,8 +236,8 @@ class Worker:
         self.next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
         bye_at: float | None = None  # when BYE went out
         drained = False  # the broker has read our BYE: nothing more is on its way
+        fds = [self.loader.fd, *(lane.fd for lane in self.lanes)]  # what Round.spin polls beside the socket
         while self.sock is not None:  # None: left (or gave up) while getting through again
-            jobs: list[PendingJob] = []
             with self.lock:
                 if self.leaving.is_set() and bye_at is None:
                     self._send([W_BYE])
@@ -261,11 +246,15 @@ class Worker:
                 drain_s = 2 * HEARTBEAT_INTERVAL_S + (LANE_DRAIN_S if busy else 0.0)
                 if bye_at is not None and ((drained and not busy) or time.monotonic() - bye_at > drain_s):
                     break
-                timeout_ms = int(max(0.0, self.next_beat - time.monotonic()) * 1000)  # as Poller.poll rounds a float
+                rest, spun, stop = None, False, False
+                if bye_at is None and not self.round.jobs:  # the rounds in C, until Python is needed
+                    rest, spun, stop = self._spin(fds)
+                timeout_ms = 0 if spun else int(max(0.0, self.next_beat - time.monotonic()) * 1000)  # as Poller.poll rounds a float
                 events = dict(cast(zmq.Poller, self.poller).poll(timeout_ms))
-                if self.sock in events:
+                if spun or self.sock in events:
                     liveness, heard = HEARTBEAT_LIVENESS, True
-                    drained |= self._take(jobs, bye_at is not None)
+                if self.sock in events and rest is None and not stop:  # (a served round is sent before more is taken)
+                    drained |= self._take(bye_at is not None)
                 if self.loader.fd in events:
                     for loaded in self.installer.finished():
                         self._send([W_LOADED, loaded.to_wire()])
@@ -294,8 +283,8 @@ class Worker:
                         liveness = HEARTBEAT_LIVENESS
             for lane in finished:
                 self._send_results(self.ops.finish_deferred(lane))
-            if jobs:
-                self._run_round(jobs)
+            if self.round.jobs:
+                self._run_round(rest)
             while self.unloads:
                 self.installer.unload(self.unloads.pop(0))
         self.loader.close()
@@ -317,55 +306,82 @@ class Worker:
         self.recycled = True
         return True
 
-    def _take(self, jobs: list[PendingJob], after_bye: bool) -> bool:
+    def _take(self, after_bye: bool) -> bool:
         """Read what has arrived (up to a round's worth); True when a heartbeat followed our BYE.
 
-        An UNLOAD ends the reading: the jobs before it are served with the model, and what follows
-        it is read once the model is gone (the broker sends in order)."""
+        B_JOBS are taken by the compiled round (workers/_round.pyx: held as libzmq received them,
+        read in place); every other message comes back here (`_control`)."""
         drained = False
-        now = time.monotonic()
         sock = cast(zmq.Socket, self.sock)
-        while len(jobs) < MAX_ROUND_JOBS and readable(sock):
+        while True:
             try:
-                msg = recv_frames(sock)
-            except zmq.Again:  # pragma: no cover - readable said a message waits
-                break
-            # A large frame stays ZeroMQ's (a view): copying 30 MB would hold the GIL, and so every
-            # other job, for tens of milliseconds; the encode lane reads it (Ops.run).
-            kind = msg[0].bytes
-            if kind == B_JOBS:
-                body = [f.buffer if len(f) > LARGE_FRAME else f.bytes for f in msg[1:]]
-                try:
-                    jobs.extend(PendingJob(job_id, budget, now, payload if len(payload) > LARGE_FRAME else bytes(payload))
-                                for job_id, budget, payload in unpack_jobs(cast("list[bytes]", body)))
-                except ValueError as e:
-                    log.warning("ignoring a malformed job batch: %s", e)
+                frames = self.round.take(sock, MAX_ROUND_JOBS)
+            except ValueError as e:
+                log.warning("ignoring a malformed job batch: %s", e)
                 continue
-            frames = [f.bytes for f in msg]
-            if kind == B_HEARTBEAT:
-                drained |= after_bye  # the broker sends in order: every job it sent before is here
-            elif kind == B_RESET and not after_bye:
-                log.warning("the broker had forgotten this worker (it was silent): saying READY again")
-                self._send([W_READY, self._ready()])
-            elif kind == B_LOAD and len(frames) == 2:
-                for loaded in self.installer.load(frames[1], leaving=after_bye or self.leaving.is_set()):
-                    self._send([W_LOADED, loaded.to_wire()])
-            elif kind == B_UNLOAD and len(frames) == 2:
-                self.unloads.append(frames[1])
-                break
-            else:
-                log.warning("ignoring a backend message of kind %r with %d frames", kind[:8], len(frames))
-        return drained
+            if frames is None:
+                return drained
+            heard_bye, stop = self._control(frames, after_bye)
+            drained |= heard_bye
+            if stop:
+                return drained
 
-    def _run_round(self, jobs: list[PendingJob]) -> None:
-        budget_s = max(job.budget_ms for job in jobs) / 1000
-        self.round_until = time.monotonic() + budget_s + WATCHDOG_GRACE_S
+    def _control(self, frames: list[bytes], after_bye: bool) -> tuple[bool, bool]:
+        """A message from the broker other than B_JOBS: (a heartbeat followed our BYE, stop reading).
+        An UNLOAD stops the reading: the jobs before it are served with the model, and what follows
+        it is read once the model is gone (the broker sends in order)."""
+        kind = frames[0]
+        if kind == B_HEARTBEAT:
+            return after_bye, False  # the broker sends in order: every job it sent before is here
+        if kind == B_RESET and not after_bye:
+            log.warning("the broker had forgotten this worker (it was silent): saying READY again")
+            self._send([W_READY, self._ready()])
+        elif kind == B_LOAD and len(frames) == 2:
+            for loaded in self.installer.load(frames[1], leaving=after_bye or self.leaving.is_set()):
+                self._send([W_LOADED, loaded.to_wire()])
+        elif kind == B_UNLOAD and len(frames) == 2:
+            self.unloads.append(frames[1])
+            return False, True
+        else:
+            log.warning("ignoring a backend message of kind %r with %d frames", kind[:8], len(frames))
+        return False, False
+
+    def _spin(self, fds: list[int]) -> tuple[list | None, bool, bool]:
+        """Serve rounds in C until Python is needed or the next heartbeat is due (Round.spin, which
+        polls the socket and `fds`): (the jobs a round left for Ops.run, or None; anything arrived;
+        an UNLOAD came, so nothing more is read this turn)."""
+        ops = self.ops
         try:
-            results = self.ops.run(jobs)
+            frames, rest, sent, heard, dropped = self.round.spin(
+                cast(zmq.Socket, self.sock), fds, self.next_beat, ops.plain_engine, ops.alone, OFFLOAD_BYTES,
+                LARGE_FRAME, ops.limits.max_reply_bytes, MAX_ROUND_JOBS)
+        except ValueError as e:
+            log.warning("ignoring a malformed job batch: %s", e)
+            return None, True, False
+        self.served += sent
+        for _ in range(dropped):
+            log.warning("could not send to the broker within %.1fs: a message was dropped", HEARTBEAT_INTERVAL_S)
+        stop = frames is not None and self._control(frames, False)[1]
+        return rest, heard, stop
+
+    def _run_round(self, rest: list | None = None) -> None:
+        """Serve the round taken: the compiled round answers the plain tokenizes of cache-less models
+        in place, Ops.run the jobs it hands back (`rest`, when Round.spin has served the round
+        already); one W_RESULTS for them all."""
+        rnd, ops = self.round, self.ops
+        self.round_until = time.monotonic() + rnd.max_budget_ms / 1000 + WATCHDOG_GRACE_S
+        try:
+            if rest is None:
+                rest = rnd.serve(ops.plain_engine, ops.alone, OFFLOAD_BYTES, LARGE_FRAME, ops.limits.max_reply_bytes)
+            if rest:
+                rnd.add(ops.run([PendingJob(*job) for job in rest]))
         finally:
             self.round_until = None
             self.stuck_logged = False
-        self._send_results(results)
+            self.served += rnd.results
+            with self.lock:
+                if rnd.send(cast(zmq.Socket, self.sock)) < 0:
+                    log.warning("could not send to the broker within %.1fs: a message was dropped", HEARTBEAT_INTERVAL_S)
 
     def _send_results(self, results: list) -> None:
         """One W_RESULTS message (none when a round only started renders)."""

@@ -153,16 +153,15 @@ class Ops:
         A plain tokenize (one text or a batch of them) has one path: read by the compiled reader
         (workers/_core.pyx `read_plain`: no dict, no parse of the common fields in Python), encoded
         by `_encode` (through the model's caches, or its engine's batch call, which releases the GIL),
-        its reply written by `_packed` straight from the engine's u32 buffer. The plain jobs of a
-        round that share a cache-less model share one engine call (`_tokenize_shared`); the others go
-        alone (`_tokenize`). The rest are parsed and served one by one, by `_serve`, which gives the
-        same replies byte for byte (tests check). `run` is the one entry point: the worker calls it,
-        and so do the tests.
+        its reply written by `_packed` straight from the engine's u32 buffer. In a worker, the
+        compiled round (workers/_round.pyx) has served the plain tokenizes of cache-less models
+        before this is called, a round's worth in one engine call each; what it hands back comes
+        here. The rest are parsed and served one by one, by `_serve`, which gives the same replies
+        byte for byte (tests check). `run` is Python's one entry point: the worker calls it, and so
+        do the tests.
         """
         out: list[tuple[int, str, bytes] | None] = [None] * len(jobs)
-        shared: dict[tuple[int, bool], list[tuple[int, _Plain]]] = {}  # plain jobs of one engine call
         models: dict[str | None, Model | None] = {}  # this round's plain-path model per name
-        alone = min(BATCH_STEP, self.limits.max_batch_items)  # a batch longer than this is encoded on its own
         now = time.monotonic()
         for i, job in enumerate(jobs):
             if job.budget_ms and (now - job.received) * 1000 > job.budget_ms:
@@ -179,14 +178,7 @@ class Ops:
             if type(job.payload) is not bytes:  # a large frame the worker took without copying
                 job.payload = bytes(job.payload)
             plain = self._read_plain(job, job.payload, models)
-            if plain is None:
-                out[i] = self._general(job)
-            elif plain.model.cache.enabled or (type(plain.text) is not str and len(plain.text) > alone):
-                out[i] = self._tokenize(plain)
-            else:
-                shared.setdefault((id(plain.model), plain.add_special), []).append((i, plain))
-        for group in shared.values():
-            self._tokenize_shared(group, out)
+            out[i] = self._general(job) if plain is None else self._tokenize(plain)
         return [r for r in out if r is not None]  # deferred jobs are answered by finish_deferred
 
     def _general(self, job: PendingJob) -> tuple[int, str, bytes] | None:
@@ -213,6 +205,22 @@ class Ops:
             return None
 
     # --- the plain tokenize: one path ---------------------------------------------------
+
+    @property
+    def alone(self) -> int:
+        """A batch of more texts than this is never in the compiled round's shared engine call
+        (workers/_round.pyx): `_tokenize` encodes it on its own, in steps, with its deadline."""
+        return min(BATCH_STEP, self.limits.max_batch_items)
+
+    def plain_engine(self, name: str | None) -> tuple[Callable[..., tuple[bytes, bytes]], bytes] | None:
+        """How the worker's compiled round (workers/_round.pyx) serves plain tokenizes naming `name`,
+        one engine call for a round's worth: (the engine's batch call, the reply's `cache` and
+        `worker` tail, as `_packed` writes them), for a model held here with its caches off; else
+        None (`run` serves them)."""
+        model = self._known_model(name)
+        if model is None or model.cache.enabled:
+            return None
+        return model.tokenizer.encode_flat, self._cache_tail("off" if not self.registry.l0_enabled else "miss", 0)
 
     def _read_plain(self, job: PendingJob, payload: bytes, models: dict[str | None, Model | None] | None = None) -> _Plain | None:
         """The job (its `payload`) as a plain tokenize of a model this worker holds, or None (the
@@ -253,30 +261,13 @@ class Ops:
             return plain.job.job_id, code, reply
         return self._reply(plain, flat, ends, 0, outcomes)
 
-    def _tokenize_shared(self, group: list[tuple[int, _Plain]], out: list) -> None:
-        """The plain jobs of a round that name one cache-less model and add_special_tokens (single
-        texts and short batches): one engine call for all their texts, each reply cut from it. When
-        the engine refuses a text, each job goes alone, so only the one holding it fails."""
-        first = group[0][1]
-        texts = [t for _, plain in group for t in plain.texts()]
-        try:
-            flat, ends, outcomes = self._encode(first.model, texts, first.add_special, None, None, 0)
-        except Exception:  # noqa: BLE001 - answered by each job alone
-            for i, plain in group:
-                out[i] = self._tokenize(plain)
-            return
-        at = 0
-        for i, plain in group:
-            out[i] = self._reply(plain, flat, ends, at, outcomes)
-            at += 1 if type(plain.text) is str else len(plain.text)
-
     def _encode(self, model: Model, texts: list[str], add_special: bool, deadline: float | None, limit: int | None,
                 per_id: int) -> tuple[bytes, bytes, list[CacheOutcome] | None]:
         """The texts' ids: (one little-endian u32 buffer of them all, where each text's end in it as
         little-endian u64s, each text's cache outcome or None when the model has no caches).
 
         Through the model's caches text by text, or its engine's batch call BATCH_STEP texts at a
-        time (one call, the engine's own buffers, for a round's worth). ProtocolError timeout once
+        time (one call, the engine's own buffers, for up to BATCH_STEP texts). ProtocolError timeout once
         `deadline` has passed between two steps. With `limit`, it stops early, returning the texts
         encoded so far, once the reply's free bound (`per_id` bytes an id and ITEM_OVERHEAD a text,
         what workers/budget.py charges first) passes it: that reply is built the general way."""
