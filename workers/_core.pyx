@@ -16,8 +16,8 @@ from libc.string cimport memcmp, memcpy
 
 from tokenbroker.common._pack cimport (UINTS_SLACK, array_head_size, bin_head_size, put_array_head, put_bin_head, put_uint,
                            put_uints_u32le, uint_size)
-from tokenbroker.common._wire cimport (Head, K_ARRAY, K_BOOL, K_EXT, K_INT, K_MAP, K_NIL, K_STR, K_UINT, W_OK, get_le, read_head, skip,
-                                       utf8_valid)
+from tokenbroker.common._wire cimport (ID_ECHOED, Head, K_ARRAY, K_BOOL, K_EXT, K_INT, K_MAP, K_NIL, K_STR, K_UINT, W_OK, get_le,
+                                       id_kind, read_head, skip, utf8_valid)
 
 # The keys a plain tokenize may carry (the common fields and tokenize's own); any other key, or one
 # twice, sends the payload to the general path.
@@ -105,9 +105,9 @@ cdef bint read_plain_at(const unsigned char* p, Py_ssize_t end, Plain* out) noex
                 return False
             pos += 8
         elif key == KEY_ID:
-            if v.kind == K_ARRAY or v.kind == K_MAP or v.kind == K_EXT:
-                return False
-            if v.kind == K_STR and not utf8_valid(p + pos, v.length):
+            # An id the reply may not echo (common/_wire.pxd's rule: id_kind, id_fault) goes to the
+            # general path, which answers it bad_request in the broker's words.
+            if id_kind(p[start]) != ID_ECHOED and not (v.kind == K_STR and utf8_valid(p + pos, v.length)):
                 return False
             after = skip(p, end, start, ID_DEPTH)
             if after < 0:
