@@ -343,8 +343,10 @@ def probe_texts(tok: Tokenizer, rng: random.Random, *, max_added: int = 2048) ->
 
 
 def _edge_forms(c: str) -> list[str]:
-    """A whitespace-edge code point alone, between words, inside and at the edges of space runs, before a newline."""
-    return [c, f" {c}", f"{c} ", f"a{c}b", f"a {c} b", f"a  {c}  b", f"x{c * 3}y", f"{c}\n{c}", f"\t{c} 1"]
+    """A whitespace-edge code point alone, between words, inside and at the edges of space runs, right
+    before a word after spaces (r50k and GPT-2 part from tiktoken on `  \u180ehello` only), before a newline."""
+    return [c, f" {c}", f"{c} ", f"a{c}b", f"a {c} b", f"a  {c}  b", f" {c}hello", f"  {c}hello", f"x{c * 3}y",
+            f"{c}\n{c}", f"\t{c} 1"]
 
 
 def edge_guard(tok: Tokenizer, fast: FastEngine) -> tuple[str, ...]:
