@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from helpers import BERT_DIR
 from tokenbroker.common.config import CacheConfig, ModelConfig, ModelSpec
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import (B_JOBS, JOB, NIL, OUTCOME_INDEX, RESULT, W_RESULTS, pack_jobs, parse_request, raw_id,
+from tokenbroker.common.protocol import (B_JOBS, NIL, OUTCOME_INDEX, W_RESULTS, pack_jobs, parse_request, raw_id,
                                          unpack_results)
 from tokenbroker.workers._core import pack_tokens, read_plain
 from tokenbroker.workers._round import Round
@@ -269,7 +269,7 @@ def _round_trip(wire, ops: Ops, batches: list[list[tuple[int, int, bytes]]], con
         if k == 0:
             for frames in control:
                 router.send_multipart([ident, *frames])
-    rnd = Round(B_JOBS, W_RESULTS, OUTCOME_INDEX, JOB.size, RESULT.size)
+    rnd = Round(B_JOBS, W_RESULTS, OUTCOME_INDEX)
     taken: list[list[bytes]] = []
     wanted = sum(len(b) for b in batches)
     while rnd.jobs < wanted or len(taken) < len(control):
@@ -323,7 +323,7 @@ def test_a_compiled_round_leaves_a_reply_past_the_budget_to_the_general_path(reg
 def test_a_malformed_job_batch_is_dropped_and_the_next_one_taken(registry, wire):
     router, dealer, ident = wire
     header, blob = pack_jobs([(1, 0, b"\x80"), (2, 0, b"\x80")])[1:]
-    rnd = Round(B_JOBS, W_RESULTS, OUTCOME_INDEX, JOB.size, RESULT.size)
+    rnd = Round(B_JOBS, W_RESULTS, OUTCOME_INDEX)
     for frames in ([B_JOBS, header, blob + b"x"], [B_JOBS, header[:-1], blob], [B_JOBS, header], [B_JOBS, header, blob, b"x"]):
         router.send_multipart([ident, *frames])
         assert dealer.poll(5000)

@@ -6,8 +6,7 @@ import zmq
 
 class Round:
     results: int
-    def __init__(self, jobs_kind: bytes, results_kind: bytes, outcome_index: dict[str, int], job_size: int,
-                 result_size: int) -> None: ...
+    def __init__(self, jobs_kind: bytes, results_kind: bytes, outcome_index: dict[str, int]) -> None: ...
     @property
     def jobs(self) -> int: ...
     @property

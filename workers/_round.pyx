@@ -20,7 +20,8 @@ from libc.string cimport memcmp, memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from tokenbroker.common._pack cimport put_le
-from tokenbroker.common._wire cimport get_le
+from tokenbroker.common._wire cimport (JOB_BUDGET_AT, JOB_BYTES, JOB_ID_AT, JOB_SIZE_AT, RESULT_BYTES, RESULT_OUTCOME_AT,
+                                       RESULT_ID_AT, RESULT_SIZE_AT, get_le)
 from tokenbroker.common._zmq cimport (EAGAIN, EINTR, ZMQ_DONTWAIT, ZMQ_POLLIN, ZMQ_SNDMORE, handle_of, load_libzmq,
                                       zmq_errno, zmq_error, zmq_msg_close, zmq_msg_data, zmq_msg_init, zmq_msg_init_data,
                                       zmq_msg_more, zmq_msg_recv, zmq_msg_send, zmq_msg_size, zmq_msg_t, zmq_poll,
@@ -32,8 +33,6 @@ import zmq
 load_libzmq()
 
 cdef enum:
-    JOB_SIZE = 16     # common/protocol.py JOB: <QII, job id, budget ms, payload bytes
-    RESULT_SIZE = 13  # common/protocol.py RESULT: <QBI, job id, outcome, reply bytes
     NOT_PLAIN = -1    # a job's group: served by Python
     SERVED = -2       # answered already (skipped, or written)
 
@@ -93,12 +92,11 @@ cdef class Round:
     cdef dict outcome_index
     cdef int ok, skipped, internal
 
-    def __init__(self, bytes jobs_kind not None, bytes results_kind not None, dict outcome_index not None,
-                 Py_ssize_t job_size, Py_ssize_t result_size):
-        """The wire's facts as common/protocol.py defines them (B_JOBS, W_RESULTS, OUTCOME_INDEX and
-        the JOB and RESULT record sizes, checked against the layouts this core reads and writes)."""
-        if job_size != JOB_SIZE or result_size != RESULT_SIZE or len(jobs_kind) != 1 or len(results_kind) != 1:
-            raise ValueError("workers/_round.pyx reads JOB records of 16 bytes and writes RESULT records of 13")
+    def __init__(self, bytes jobs_kind not None, bytes results_kind not None, dict outcome_index not None):
+        """The wire's facts as common/protocol.py defines them (B_JOBS, W_RESULTS, OUTCOME_INDEX); the
+        JOB and RESULT record layouts are common/_wire.pxd's, as protocol.py's structs are."""
+        if len(jobs_kind) != 1 or len(results_kind) != 1:
+            raise ValueError("workers/_round.pyx takes one-byte message kinds")
         self.jobs_kind, self.results_kind, self.outcome_index = jobs_kind, results_kind, outcome_index
         self.ok, self.skipped, self.internal = outcome_index["ok"], outcome_index["skipped"], outcome_index["internal"]
         self.messages = []
@@ -194,8 +192,7 @@ cdef class Round:
         the first other message is returned as its frames (bytes), for Python; None once nothing
         waits or the round is full. ValueError for a malformed B_JOBS (dropped)."""
         cdef void* s = handle_of(sock)
-        cdef zmq_msg_t first, header
-        cdef Message body
+        cdef zmq_msg_t first
         cdef int rc
         cdef list frames
         while self.count < max_jobs:
@@ -248,21 +245,21 @@ cdef class Round:
                 raise ValueError("a job batch must be a header and one payload frame")
             body.data = <const unsigned char*>zmq_msg_data(&body.msg)
             body.size = zmq_msg_size(&body.msg)
-            n = zmq_msg_size(&header) // JOB_SIZE
+            n = zmq_msg_size(&header) // JOB_BYTES
             h = <const unsigned char*>zmq_msg_data(&header)
-            if n == 0 or zmq_msg_size(&header) % JOB_SIZE:
-                raise ValueError(f"a job batch header of {zmq_msg_size(&header)} bytes is not a whole number of {JOB_SIZE}-byte records")
+            if n == 0 or zmq_msg_size(&header) % JOB_BYTES:
+                raise ValueError(f"a job batch header of {zmq_msg_size(&header)} bytes is not a whole number of {JOB_BYTES}-byte records")
             for i in range(n):
-                at += <Py_ssize_t>get_le(h + JOB_SIZE * i + 12, 4)
+                at += <Py_ssize_t>get_le(h + JOB_BYTES * i + JOB_SIZE_AT, 4)
             if at != body.size:
                 raise ValueError(f"a job batch's records count {at} payload bytes, its frame has {body.size}")
             self._room_jobs(n)
             at = 0
             for i in range(n):
-                size = <Py_ssize_t>get_le(h + JOB_SIZE * i + 12, 4)
+                size = <Py_ssize_t>get_le(h + JOB_BYTES * i + JOB_SIZE_AT, 4)
                 job = &self.jobs[self.count + i]
-                job.job_id = get_le(h + JOB_SIZE * i, 8)
-                job.budget_ms = <unsigned int>get_le(h + JOB_SIZE * i + 8, 4)
+                job.job_id = get_le(h + JOB_BYTES * i + JOB_ID_AT, 8)
+                job.budget_ms = <unsigned int>get_le(h + JOB_BYTES * i + JOB_BUDGET_AT, 4)
                 job.message, job.at, job.size, job.received = len(self.messages), at, size, now
                 job.group = NOT_PLAIN
                 at += size
@@ -419,15 +416,16 @@ cdef class Round:
     cdef int _record(self, uint64_t job_id, int outcome, Py_ssize_t size) except -1:
         cdef unsigned char* grown
         cdef unsigned char* o
-        if self.head_size + RESULT_SIZE > self.head_cap:
-            grown = <unsigned char*>realloc(self.head, max(2 * self.head_cap, 64 * RESULT_SIZE))
+        if self.head_size + RESULT_BYTES > self.head_cap:
+            grown = <unsigned char*>realloc(self.head, max(2 * self.head_cap, 64 * RESULT_BYTES))
             if grown == NULL:
                 raise MemoryError()
-            self.head, self.head_cap = grown, max(2 * self.head_cap, 64 * RESULT_SIZE)
-        o = put_le(self.head + self.head_size, job_id, 8)
-        o[0] = <unsigned char>outcome
-        put_le(o + 1, <unsigned long long>size, 4)
-        self.head_size += RESULT_SIZE
+            self.head, self.head_cap = grown, max(2 * self.head_cap, 64 * RESULT_BYTES)
+        o = self.head + self.head_size
+        put_le(o + RESULT_ID_AT, job_id, 8)
+        o[RESULT_OUTCOME_AT] = <unsigned char>outcome
+        put_le(o + RESULT_SIZE_AT, <unsigned long long>size, 4)
+        self.head_size += RESULT_BYTES
         self.results += 1
         return 0
 

@@ -63,10 +63,8 @@ from tokenbroker.common.protocol import (
     B_UNLOAD,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
-    JOB,
     OUTCOME_INDEX,
     PROTOCOL_VERSION,
-    RESULT,
     W_BYE,
     W_HEARTBEAT,
     W_LOADED,
@@ -140,7 +138,7 @@ class Worker:
         ops.renders, ops.encodes = self.lanes
         self.installer = ModelInstaller(registry, self.loader, config.models.max_models)
         self.lock = threading.Lock()  # held by whoever touches `sock`
-        self.round = Round(B_JOBS, W_RESULTS, OUTCOME_INDEX, JOB.size, RESULT.size)  # workers/_round.pyx
+        self.round = Round(B_JOBS, W_RESULTS, OUTCOME_INDEX)  # workers/_round.pyx
         self.sock: zmq.Socket | None = None
         self.poller: zmq.Poller | None = None
         self.unloads: list[bytes] = []  # B_UNLOAD bodies, applied after the jobs that came before them
@@ -263,9 +261,7 @@ class Worker:
                     lane.watch(now)  # a job past its deadline is answered there; the lane goes on
                 finished = [lane for lane in self.lanes if lane.fd in events]
                 if now >= self.next_beat:
-                    if self.orphaned():
-                        log.warning("the broker that started this worker (pid %s) is gone: leaving", self.parent_pid)
-                        self.leaving.set()
+                    self._stopping()  # its broker gone: leaving is set, and said once
                     self.stats = self.registry.cache_stats()
                     self.backends = self.registry.backends()
                     self.engines = self.registry.engines()
