@@ -118,10 +118,7 @@ class FastEngine:
     def encode_u32(self, texts: list[str], add_special_tokens: bool = True) -> list[bytes]:
         """Each text's ids as little-endian uint32 bytes, cut from one flat buffer: no int per id."""
         flat, offsets = self.encode_flat(texts, add_special_tokens)
-        ends = array("Q")
-        ends.frombytes(offsets)
-        if not _LITTLE:  # pragma: no cover - the buffers are little-endian whatever the host
-            ends.byteswap()
+        ends = _ends(offsets)
         return [flat[4 * ends[i]:4 * ends[i + 1]] for i in range(len(texts))]
 
     def encode_flat(self, texts: list[str], add_special_tokens: bool = True) -> tuple[bytes, bytes]:
@@ -138,10 +135,7 @@ class FastEngine:
 
     def _splice(self, texts: list[str], flat: bytes, offsets: bytes, add_special_tokens: bool) -> tuple[bytes, bytes]:
         """The two buffers again, with the reference's ids for the guarded texts (rare: one copy)."""
-        ends = array("Q")
-        ends.frombytes(offsets)
-        if not _LITTLE:  # pragma: no cover - the buffers are little-endian whatever the host
-            ends.byteswap()
+        ends = _ends(offsets)
         view = memoryview(flat).cast("B")
         parts: list[bytes | memoryview] = []
         out = array("Q", [0])
@@ -175,6 +169,15 @@ class FastEngine:
         if home is not None:
             return home.call(self.raw.decode, ids, skip_special_tokens)
         return self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _ends(offsets: bytes) -> array:
+    """Where each text's ids end in the flat buffer: the engine's little-endian u64s, whatever the host."""
+    ends = array("Q")
+    ends.frombytes(offsets)
+    if not _LITTLE:  # pragma: no cover
+        ends.byteswap()
+    return ends
 
 
 def build_fast(tok: Tokenizer) -> FastEngine:
@@ -671,7 +674,7 @@ class EngineThread:
     def __init__(self, name: str) -> None:
         self.name = name
         self.engines = 0  # engines placed here (EnginePlan)
-        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple, list, Any] | None] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple, list, Any]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -687,17 +690,14 @@ class EngineThread:
         return box[0]
 
     def _run(self) -> None:
-        while (item := self._calls.get()) is not None:
-            fn, args, box, done = item
+        while True:  # a daemon thread: it ends with its process
+            fn, args, box, done = self._calls.get()
             try:
                 box.append(fn(*args))
             except BaseException as e:  # handed to the caller
                 box += [None, e]
             del fn, args, box
             done.release()
-
-    def close(self) -> None:
-        self._calls.put(None)
 
 
 WARM_TEXT = "Warm up: a short text with words, digits 12345, punctuation (!?) and ünïcödé."

@@ -361,10 +361,8 @@ class ModelInstaller:
             del self.loading[name]
             model = outcome.model
             if model is not None:
-                loaded_tokenizer = model.tokenizer
-                model = self.registry.engine_for(model)
-                shared = model.tokenizer is not loaded_tokenizer
-                del loaded_tokenizer
+                served = self.registry.engine_for(model)  # `model` itself unless its tokenizer is held here
+                shared, model = served is not model, served
                 if shared:  # the same tokenizer is here already: serve this name with its engine, drop the copy
                     outcome = replace(outcome, model=model, info=model.info().to_wire())
                     release_memory()

@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, cast
 
@@ -48,24 +48,25 @@ log = logging.getLogger(__name__)
 _LITTLE = sys.byteorder == "little"
 
 
+def _little_endian(code: str, data: bytes) -> array:
+    """An array of `code` items read from little-endian bytes (the wire's order, whatever the host's)."""
+    a = array(code)
+    a.frombytes(data)
+    if not _LITTLE:  # pragma: no cover
+        a.byteswap()
+    return a
+
+
 def u32_array(data: bytes, field: str) -> array:
     """The ids of a u32 bin, 4 bytes each (a list of ints would take 36): what budgets are charged from."""
     if len(data) % 4:
         raise ProtocolError("invalid_input", f"field '{field}': a u32 bin must be a multiple of 4 bytes long, got {len(data)}")
-    a = array("I")
-    a.frombytes(data)
-    if not _LITTLE:  # pragma: no cover
-        a.byteswap()
-    return a
+    return _little_endian("I", data)
 
 
 def _u64s(data: bytes) -> array:
     """The little-endian u64s of an engine's `ends` buffer (workers/tokenizers.py `encode_flat`)."""
-    a = array("Q")
-    a.frombytes(data)
-    if not _LITTLE:  # pragma: no cover
-        a.byteswap()
-    return a
+    return _little_endian("Q", data)
 
 
 def _tokens_out(ids: list[int], fmt: str) -> Any:
