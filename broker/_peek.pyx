@@ -39,7 +39,7 @@ from os import urandom
 from sys import intern as _intern
 
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import MAX_DEADLINE_MS, NIL, OPS
+from tokenbroker.common.protocol import MAX_DEADLINE_MS, NIL, OPS, repeated_key
 
 MAX_DEPTH = DEPTH
 MAX_FIELDS = FIELDS
@@ -244,8 +244,9 @@ cdef Py_ssize_t _repeated(Key* keys, Py_ssize_t n) except -2:
 
 
 cdef str _twice(const uchar* k, Py_ssize_t n):
-    cdef str name = PyUnicode_DecodeUTF8(<const char*>k, n if n < 200 else 200, "replace")
-    return f"payload map holds the key {name!r} twice; a request names each field once"
+    """A repeated key's bad_request, in common/protocol.py's words (the worker's too). Only a refusal
+    pays for it; every key that gets here was checked UTF-8."""
+    return repeated_key(PyUnicode_DecodeUTF8(<const char*>k, n, "replace")).message
 
 
 cdef enum:

@@ -11,7 +11,6 @@ MAX_BLOCK: int
 GROWTH_DIVISOR: int
 BOUNDARIES: tuple[int, ...]
 MAX_HASHED_BYTES: int
-KEYLESS_OPS: frozenset[str]
 
 class RouteKey:
     @property
@@ -24,5 +23,4 @@ class RouteKey:
 
 def route_key(peek: Peek) -> RouteKey | None: ...
 def digest(data: bytes) -> bytes: ...
-def text_blocks(seed: bytes, data: bytes) -> tuple[bytes, ...]: ...
 def seed(kind: bytes, model: bytes) -> bytes: ...

@@ -490,7 +490,6 @@ cdef void _cut_capped(Cutter* c, const uchar* p, Py_ssize_t a, Py_ssize_t b) noe
 
 
 cdef frozenset KEYLESS = OPS - KEYED_OPS  # no input to hash: any worker serves them equally well
-KEYLESS_OPS = KEYLESS
 
 
 cpdef object route_key(Peek peek):
@@ -542,22 +541,6 @@ cdef bytes _digest_of_parts(bytes head, const uchar* p, Py_ssize_t n):
     h_update(&h, p, n)
     h_digest(&h, out)
     return PyBytes_FromStringAndSize(<char*>out, DIGEST)
-
-
-def text_blocks(seed: bytes, data: bytes) -> tuple:
-    """Prefix hashes of `data` at BOUNDARIES after `seed`, plus the whole of it when it ends between
-    two: the blocks a tokenize of that text gets (for tests and tools)."""
-    cdef Cutter c
-    cdef const uchar[::1] v = data
-    h_init(&c.h)
-    h_update(&c.h, <const uchar*><const char*>seed, len(seed))
-    c.fed = 0
-    c.nb = 0
-    c.count = 0
-    if v.shape[0]:
-        cut_feed(&c, &v[0], v.shape[0])
-    cut_finish(&c)
-    return _blocks(&c)
 
 
 def seed(kind: bytes, model: bytes) -> bytes:

@@ -63,11 +63,6 @@ def salt_of(bytes wid) -> int:
     return int.from_bytes(sha256(b"tb-rendezvous\x00" + wid).digest()[:8], "little")
 
 
-def mix(u64 x) -> int:
-    """SplitMix64's finalizer (the rendezvous weight of salt ^ key)."""
-    return mix64(x)
-
-
 cdef class Router:
     """Prefix affinity with rendezvous fallback, under a bounded-load rule (docs/routing.md)."""
 

@@ -320,11 +320,12 @@ def parse_request(data: bytes) -> Request:
     if len(payload) != map_length(data):  # the decoder kept one value per key: a key came twice (1.4)
         raise repeated_key(first_repeated_key(data))
     rid = payload.get("id")
-    problem = None if rid is None else id_problem(_ID_PACKER.pack(rid))  # the rule common/_wire.pxd states
+    packed = None if rid is None else _ID_PACKER.pack(rid)
+    problem = None if packed is None else id_problem(packed)  # the rule common/_wire.pxd states
     if problem is not None:
         raise ProtocolError("bad_request", problem)
     common = common_fields(payload)
-    return Request(raw_id=_echo_id(data, rid), op=common.op, model=common.model,
+    return Request(raw_id=_echo_id(data, packed), op=common.op, model=common.model,
                    deadline_ms=common.deadline_ms, affinity=common.affinity, tokens_format=common.tokens_format,
                    payload=payload)
 
@@ -359,13 +360,13 @@ def first_repeated_key(data: bytes) -> str:
     raise ValueError("the map holds no key twice")
 
 
-MAX_KEY_SHOWN = 200  # bytes of a repeated key named in its bad_request (client data), as broker/_peek.pyx `_twice` cuts it
+MAX_KEY_SHOWN = 200  # bytes of a repeated key named in its bad_request (client data)
 
 
 def repeated_key(key: str) -> ProtocolError:
     """The bad_request of a request map that holds `key` twice (1.4, "Bounds on a request"), in the
-    words of the broker's core (broker/_peek.pyx `_twice`), so a client reads the same answer from
-    whichever side found it.
+    same words at the broker (broker/_peek.pyx `_twice` calls it) and the worker, so a client reads
+    the same answer from whichever side found it.
 
     >>> repeated_key("text").message
     "payload map holds the key 'text' twice; a request names each field once"
@@ -377,14 +378,14 @@ def repeated_key(key: str) -> ProtocolError:
 _ID_PACKER = msgpack.Packer(use_bin_type=True)  # packb makes a Packer per call (~1 us); pack() holds the GIL throughout
 
 
-def _echo_id(data: bytes, rid: Any) -> bytes:
-    """The id's bytes as the client sent them. Clients encode an id in its shortest form (every
-    MessagePack library does), so packing the decoded value again gives those bytes: checked by
-    finding `"id"` followed by them in the payload (a C scan). When they are not there (a float32,
-    a wider int than needed), the payload is walked for them (`raw_id`)."""
-    if rid is None:
+def _echo_id(data: bytes, packed: bytes | None) -> bytes:
+    """The id's bytes as the client sent them, from `packed`, the decoded id packed again (None for
+    no id). Clients encode an id in its shortest form (every MessagePack library does), so that gives
+    those bytes: checked by finding `"id"` followed by them in the payload (a C scan). When they are
+    not there (a float32, a wider int than needed), the payload is walked for them (`raw_id`)."""
+    if packed is None:
         return NIL
-    key = b"\xa2id" + _ID_PACKER.pack(rid)
+    key = b"\xa2id" + packed
     # `id` first or last (what clients do) is checked at once; a scan of the payload otherwise.
     return key[3:] if data.endswith(key) or data.startswith(key, 1) or key in data else raw_id(data)
 
