@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import heapq
 import itertools
 import logging
@@ -84,8 +83,9 @@ class Turns:
     def is_closed(self) -> bool:
         return self._closed
 
-    def create_future(self) -> asyncio.Future[Any]:
-        return asyncio.Future(loop=self)  # type: ignore[arg-type]  # a loop in all the future uses of it
+    # asyncio's own (`asyncio.Future(loop=self)`): the engine's `_clock_and_futures` recognizes it and
+    # makes a call's future with no Python method per call, as on asyncio's loops.
+    create_future = asyncio.BaseEventLoop.create_future
 
     def call_soon(self, fn: Callable[..., Any], *args: Any, context: Any = None) -> None:
         self._soon.append((fn, args))
@@ -172,30 +172,17 @@ class Turns:
         out: list[tuple[bool, Any]] = [(False, None)] * len(coros)
         left = [len(coros)]
 
-        def task(i: int, coro: Coroutine[Any, Any, Any]) -> Callable[..., None]:
-            send = coro.send
+        def finisher(i: int) -> Callable[[bool, Any], None]:
+            def finish(ok: bool, value: Any) -> None:
+                out[i] = (ok, value)
+                left[0] -= 1
 
-            def step(_: object = None) -> None:
-                try:
-                    future = send(None)
-                except StopIteration as stop:
-                    out[i] = (True, stop.value)
-                    left[0] -= 1
-                except BaseException as e:  # noqa: BLE001 - the item's outcome, whatever it is
-                    out[i] = (False, e)
-                    left[0] -= 1
-                else:
-                    if future is None:
-                        self.call_soon(step)
-                    else:
-                        future.add_done_callback(step)
-
-            return step
+            return finish
 
         try:
             with self.lock:
                 for i, coro in enumerate(coros):
-                    task(i, coro)()
+                    self._drive(coro, finisher(i))
                 self.run_until(lambda: left[0] == 0)
         except BaseException:  # interrupted while waiting: the engine forgets what is still pending
             for coro in coros:
@@ -208,23 +195,30 @@ class Turns:
         callback; its outcome in the returned future."""
         out: Started[T] = Started(self)
         out.set_running_or_notify_cancel()
+        with self.lock:
+            self._drive(coro, lambda ok, value: out.set_result(value) if ok else out.set_exception(value))
+        return out
+
+    def _drive(self, coro: Coroutine[Any, Any, Any], finish: Callable[[bool, Any], None]) -> None:
+        """Step `coro` now to its first wait, then again on each awaited future's done callback (or
+        at the next turn when it yields nothing), and hand its outcome to `finish(ok, value)`: the one
+        stepper of `run_all`'s tasks and `start`'s."""
+        send = coro.send
 
         def step(_: object = None) -> None:
             try:
-                future = coro.send(None)
+                future = send(None)
             except StopIteration as stop:
-                out.set_result(stop.value)
+                finish(True, stop.value)
             except BaseException as e:  # noqa: BLE001 - the task's outcome, whatever it is
-                out.set_exception(e)
+                finish(False, e)
             else:
                 if future is None:
                     self.call_soon(step)
                 else:
                     future.add_done_callback(step)
 
-        with self.lock:
-            step()
-        return out
+        step()
 
 
 class Started(concurrent.futures.Future[T]):
@@ -255,7 +249,6 @@ class BlockingCore(Core):
     def _enter(self) -> asyncio.AbstractEventLoop:
         if self._loop is None or self._closed:
             self._start(self.turns)  # type: ignore[arg-type]
-            self._future = functools.partial(asyncio.Future, loop=self.turns)  # type: ignore[arg-type]  # no Python method per call
         return self._loop  # type: ignore[return-value]
 
     def _start_watch(self) -> None:

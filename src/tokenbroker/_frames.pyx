@@ -26,8 +26,7 @@ load_libzmq()
 cdef inline Py_ssize_t _request_size(Call call, long long ms) except -1:
     """Bytes `request_bytes` writes for this call sent with `ms` left: its map head, its fields, its id
     and deadline (ids are this client's counter: positive)."""
-    cdef Py_ssize_t n = call.nkeys + 2
-    return ((1 if n < 16 else 3 if n < 65536 else 5) + PyBytes_GET_SIZE(call.head)
+    return (array_head_size(call.nkeys + 2) + PyBytes_GET_SIZE(call.head)
             + 3 + uint_size(PyLong_AsUnsignedLongLong(call.id)) + 12 + uint_size(<uint64_t>ms))
 
 

@@ -20,11 +20,11 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from cpython.array cimport array, clone
 from libc.string cimport memcmp, memcpy
-from libc.stdint cimport uint32_t, uint64_t, int64_t
+from libc.stdint cimport uint32_t
 
 from tokenbroker.common._wire cimport (Head, read_head, skip, K_NIL, K_BOOL, K_INT, K_UINT, K_FLOAT, K_STR, K_BIN, K_ARRAY,
                            K_MAP, K_EXT, W_OK)
-from tokenbroker._calls cimport C_AS_LIST, C_RAW, Call, answered
+from tokenbroker._calls cimport C_AS_LIST, C_CHAT, C_RAW, C_TEXT, Call, answered
 from tokenbroker.common._zmq cimport (EAGAIN, EINTR, ZMQ_DONTWAIT, handle_of, load_libzmq, zmq_errno, zmq_error,
                                       zmq_msg_close, zmq_msg_data, zmq_msg_init, zmq_msg_recv, zmq_msg_size, zmq_msg_t)
 
@@ -301,12 +301,12 @@ cdef object _typed(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos, Py_s
         elif _key(p, at, h.length, "worker", 6) and c.kind == K_STR:
             worker = _worker(p + pos[0], c.length)
             pos[0] += c.length
-        elif base != 2 and _key(p, at, h.length, "tokens", 6) and c.kind == K_BIN and (c.length & 3) == 0:
+        elif base != C_TEXT and _key(p, at, h.length, "tokens", 6) and c.kind == K_BIN and (c.length & 3) == 0:
             tokens = _ids(p, pos[0], c.length, as_list)
             pos[0] += c.length
-        elif base != 2 and _key(p, at, h.length, "count", 5) and c.kind == K_UINT:
+        elif base != C_TEXT and _key(p, at, h.length, "count", 5) and c.kind == K_UINT:
             count = PyLong_FromUnsignedLongLong(c.uval)
-        elif base != 2 and _key(p, at, h.length, "cache", 5) and c.kind == K_MAP and c.length == 2:
+        elif base != C_TEXT and _key(p, at, h.length, "cache", 5) and c.kind == K_MAP and c.length == 2:
             l0 = l1 = None
             for j in range(2):
                 if read_head(p, end, pos, &h) != W_OK or h.kind != K_STR:
@@ -332,11 +332,11 @@ cdef object _typed(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos, Py_s
                 pos[0] = start
                 return None
             cache = _cache_info(l0, l1)
-        elif base == 3 and _key(p, at, h.length, "prompt", 6) and (c.kind == K_STR or c.kind == K_NIL):
+        elif base == C_CHAT and _key(p, at, h.length, "prompt", 6) and (c.kind == K_STR or c.kind == K_NIL):
             if c.kind == K_STR:
                 prompt = PyUnicode_DecodeUTF8(<const char*>p + pos[0], c.length, NULL)
                 pos[0] += c.length
-        elif base == 2 and _key(p, at, h.length, "text", 4) and c.kind == K_STR:
+        elif base == C_TEXT and _key(p, at, h.length, "text", 4) and c.kind == K_STR:
             text = PyUnicode_DecodeUTF8(<const char*>p + pos[0], c.length, NULL)
             pos[0] += c.length
         else:  # a field this shape has not, or one of another type: read it as a map
@@ -348,7 +348,7 @@ cdef object _typed(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos, Py_s
     cdef PyObject* f[9]
     cdef PyObject* none = <PyObject*>None
     cdef object out
-    if base == 2:
+    if base == C_TEXT:
         if text is None:
             pos[0] = start
             return None
