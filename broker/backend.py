@@ -231,6 +231,7 @@ class Backend:
                 events.append(Left(other.wid, "reconnected", self.workers.pop(other.wid)))
         state = WorkerState(wid=wid, ready=ready, expiry=self.expiry(now))
         self.workers[wid] = state
+        self._send(wid, B_HEARTBEAT)  # READY answered at once: the worker knows it joined (workers/join.py)
         if worker is not None:  # READY again on a live connection: it restarted its session
             events.append(Left(wid, "reconnected", worker))
         events.append(Joined(state))

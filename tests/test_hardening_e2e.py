@@ -165,6 +165,9 @@ def test_stopped_remote_worker_is_taken_back_when_it_resumes() -> None:
     c = Conn(broker.endpoint)
     try:
         wait_until(lambda: c.call("ping")["workers"] == 1, timeout=60, what="the remote worker")
+        # served by it: past joining, in its round loop (a worker stopped while still joining would
+        # come back through a fresh READY of its own, not the broker's RESET)
+        assert c.call("tokenize", text="served first")["worker"] == "remote-1"
         worker.send_signal(signal.SIGSTOP)
         wait_until(lambda: c.call("ping")["workers"] == 0, timeout=30, what="the stopped worker to be forgotten")
         worker.send_signal(signal.SIGCONT)
@@ -173,7 +176,7 @@ def test_stopped_remote_worker_is_taken_back_when_it_resumes() -> None:
         worker.terminate()
         worker.wait(20)
         log = worker.stderr.read()
-        assert "saying READY again" in log and "reconnecting" not in log
+        assert "saying READY again" in log and "reconnecting" not in log and "ignoring" not in log, log
     finally:
         if worker.poll() is None:
             worker.kill()

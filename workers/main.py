@@ -327,8 +327,10 @@ class Worker:
         An UNLOAD stops the reading: the jobs before it are served with the model, and what follows
         it is read once the model is gone (the broker sends in order)."""
         kind = frames[0]
-        if kind == B_HEARTBEAT:
-            return after_bye, False  # the broker sends in order: every job it sent before is here
+        if kind == B_HEARTBEAT or (kind == B_RESET and after_bye):
+            # the broker sends in order: every job it sent before is here (a RESET after our BYE: it
+            # has let this worker go, so nothing more is on its way)
+            return after_bye, False
         if kind == B_RESET and not after_bye:
             log.warning("the broker had forgotten this worker (it was silent): saying READY again")
             self._send([W_READY, self._ready()])
