@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent
 # (module, source): the package-dir mapping of pyproject.toml, applied by hand (Extension needs paths).
 CORES = [
     ("tokenbroker.common._wire", "common/_wire.pyx"),
+    ("tokenbroker.common._message", "common/_message.pyx"),
     # the broker's cores, one per concern (their .pxd files say what each shares)
     ("tokenbroker.broker._peek", "broker/_peek.pyx"),
     ("tokenbroker.broker._routekey", "broker/_routekey.pyx"),

@@ -10,7 +10,6 @@
 # One Round per worker, reused: take (under the socket's lock) -> serve (the compute, no lock) ->
 # add -> send (under the lock), as workers/main.py's round loop runs it.
 
-from cpython.buffer cimport PyBuffer_FillInfo
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.unicode cimport PyUnicode_DecodeUTF8
@@ -19,6 +18,7 @@ from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
+from tokenbroker.common._message cimport Message
 from tokenbroker.common._pack cimport put_le
 from tokenbroker.common._wire cimport (JOB_BUDGET_AT, JOB_BYTES, JOB_ID_AT, JOB_SIZE_AT, RESULT_BYTES, RESULT_OUTCOME_AT,
                                        RESULT_ID_AT, RESULT_SIZE_AT, get_le)
@@ -56,26 +56,6 @@ cdef double _now() noexcept nogil:
 
 cdef void _free_frame(void* data, void* hint) noexcept nogil:
     free(data)
-
-
-cdef class Message:
-    """A B_JOBS payload frame as libzmq received it, lent as a read-only buffer: the jobs a round hands
-    to Python are views of it (a lane may keep one past the round), never copies of large payloads."""
-    cdef zmq_msg_t msg
-    cdef const unsigned char* data
-    cdef Py_ssize_t size
-
-    def __cinit__(self):
-        zmq_msg_init(&self.msg)
-
-    def __dealloc__(self):
-        zmq_msg_close(&self.msg)
-
-    def __getbuffer__(self, Py_buffer* buffer, int flags):
-        PyBuffer_FillInfo(buffer, self, <void*>self.data, self.size, 1, flags)
-
-    def __releasebuffer__(self, Py_buffer* buffer):
-        pass
 
 
 cdef class Round:
@@ -243,8 +223,7 @@ cdef class Round:
                     at = -1
             if not zmq_msg_more(&header) or at < 0:
                 raise ValueError("a job batch must be a header and one payload frame")
-            body.data = <const unsigned char*>zmq_msg_data(&body.msg)
-            body.size = zmq_msg_size(&body.msg)
+            body.fill()
             n = zmq_msg_size(&header) // JOB_BYTES
             h = <const unsigned char*>zmq_msg_data(&header)
             if n == 0 or zmq_msg_size(&header) % JOB_BYTES:
