@@ -3,6 +3,7 @@
 from tokenbroker.broker._dispatch cimport Dispatcher
 from tokenbroker.broker._jobs cimport Job, JobTable
 from tokenbroker.broker._peek cimport Peek
+from tokenbroker.common._message cimport Message
 
 
 cdef class Intake:
@@ -20,3 +21,4 @@ cdef class Intake:
     cdef bint _fast(self, envelope, Peek peek, Py_ssize_t size, double now) except -1
     cpdef object refusal(self, bytes client, Py_ssize_t size)
     cpdef Job hold(self, envelope, Peek peek, double now, model, bint catalog)
+    cdef int results(self, bytes wid, const unsigned char* header, Py_ssize_t n, Message blob, double now) except -1

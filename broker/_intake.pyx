@@ -2,22 +2,20 @@
 """The loop's per-frame and per-batch work, compiled (broker/loop.py keeps the policy, per turn): the
 intake admits a frame's requests (the refusal checks, the route key, the job table, the queue) and
 finishes a worker's results (the dispatcher's `finish`, the release, the reply, the request
-counters), so the loop runs Python per request only for what is not the common case; and the
-turn's replies are sent from here (`send_replies`).
+counters), so the loop runs Python per request only for what is not the common case. The replies
+go to the frontend's outbox (broker/_outbox.pyx), sent once a turn.
 """
-
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 
 from tokenbroker.broker._counters cimport tally
 from tokenbroker.broker._dispatch cimport Dispatcher
 from tokenbroker.broker._jobs cimport Job, JobTable
+from tokenbroker.broker._outbox cimport hold_reply
 from tokenbroker.broker._peek cimport Peek
 from tokenbroker.broker._routekey cimport route_key
+from tokenbroker.common._message cimport Message
 from tokenbroker.common._wire cimport get_le, RESULT_BYTES, RESULT_ID_AT, RESULT_OUTCOME_AT, RESULT_SIZE_AT
 
 from sys import intern as _intern
-
-from zmq import ZMQError
 
 from tokenbroker.common.protocol import MODEL_OPS, OUTCOMES as _OUTCOMES, SKIPPED as _SKIPPED
 
@@ -30,66 +28,6 @@ cdef frozenset _MODEL_OPS = MODEL_OPS  # `model` names a served model (count's, 
 
 
 cdef object _UNSEEN = object()  # a `model` the intake's table does not know yet
-
-
-cdef inline void _add_reply(dict outbox, object envelope, object payload) except *:
-    held = outbox.get(envelope)
-    if held is None:
-        outbox[envelope] = [payload]
-    else:
-        (<list>held).append(payload)
-
-
-def send_replies(sock, dict outbox, set arrays, holding, send, array_header, Py_ssize_t frame_bytes, int more,
-                 int last, Py_ssize_t copy_below) -> None:
-    """Send a turn's held replies (broker/frontend.py `Frontend.flush` holds the design): to a
-    connection that speaks arrays, its replies in frames of at most `frame_bytes` past the
-    first, each an array header (`array_header(n)`) then the replies' bytes as the workers built them (a lone reply
-    goes as its map); to any other, each reply alone. `send` is pyzmq's Cython send, given int
-    flags (`more` for the envelope's frames, `last` for the payload); a payload under
-    `copy_below` bytes is copied into its message, a larger one leaves without a copy. A
-    connection not in `holding` stops being an array speaker. A send that fails (the client is
-    gone) costs only that reply: never the loop."""
-    cdef list payloads
-    cdef Py_ssize_t start, end, size, n
-    for envelope, found in outbox.items():
-        payloads = <list>found
-        identity = (<tuple>envelope)[0]
-        n = len(payloads)
-        if n == 1 or identity not in arrays:
-            for payload in payloads:
-                _send_reply(sock, send, envelope, identity, payload, more, last, copy_below)
-        else:
-            start = 0
-            while start < n:
-                end, size = start, 0
-                while end < n and (end == start or size + len(payloads[end]) <= frame_bytes):
-                    size += len(payloads[end])
-                    end += 1
-                if end - start == 1:
-                    _send_reply(sock, send, envelope, identity, payloads[start], more, last, copy_below)
-                else:
-                    _send_reply(sock, send, envelope, identity, array_header(end - start) + b"".join(payloads[start:end]),
-                                more, last, copy_below)
-                start = end
-        if identity in arrays and identity not in holding:
-            arrays.discard(identity)
-    outbox.clear()
-
-
-cdef void _send_reply(sock, send, envelope, identity, payload, int more, int last, Py_ssize_t copy_below) except *:
-    try:
-        send(sock, identity, more)
-        if (<tuple>envelope)[1]:
-            send(sock, b"", more)
-        send(sock, payload, last, len(payload) < copy_below)
-    except ZMQError:  # the client is gone (a ROUTER drops what a full queue cannot take)
-        pass
-
-
-def add_reply(dict outbox, envelope, payload) -> None:
-    """Hold a reply in a frontend's outbox (broker/frontend.py `Frontend.reply`, and the intake)."""
-    _add_reply(outbox, envelope, payload)
 
 
 cdef class Intake:
@@ -202,38 +140,34 @@ cdef class Intake:
 
     # --- results
 
-    def results(self, bytes wid, header, blob, double now) -> None:
-        """A worker's W_RESULTS batch (checked by `check_results`): each job it held is finished
-        and let go, and its reply, a view of the frame, goes to the outbox and the counters. A
-        job answered skipped or empty goes to `late` (the broker answers timeout)."""
-        cdef Py_buffer hb
+    cdef int results(self, bytes wid, const uchar* header, Py_ssize_t n, Message blob, double now) except -1:
+        """A worker's W_RESULTS batch of `n` records, received and checked by the backend's drain
+        (broker/_batches.pyx): each job it held is finished and let go, and its reply, a view of
+        the payload frame `blob` (no copy), goes to the outbox and the counters. A job answered
+        skipped or empty goes to `late` (the broker answers timeout)."""
         cdef const uchar* p
-        cdef Py_ssize_t n, i, at = 0, size, known = len(_OUTCOMES)
+        cdef Py_ssize_t i, at = 0, size, known = len(_OUTCOMES)
         cdef int code
         cdef Job job
         cdef JobTable jobs = self.jobs
         cdef Dispatcher dispatcher = self.dispatcher
         view = memoryview(blob)
-        PyObject_GetBuffer(header, &hb, PyBUF_SIMPLE)
-        try:
-            p = <const uchar*>hb.buf
-            n = hb.len // RESULT_BYTES
-            for i in range(n):
-                size = <Py_ssize_t>get_le(p + RESULT_BYTES * i + RESULT_SIZE_AT, 4)
-                code = p[RESULT_BYTES * i + RESULT_OUTCOME_AT]
-                found = dispatcher.finish(wid, <long long>get_le(p + RESULT_BYTES * i + RESULT_ID_AT, 8), code == 0)
-                if found is not None:
-                    job = <Job>found
-                    jobs.release(job)
-                    if job.answered:
-                        pass
-                    elif code == 1 or size == 0:  # skipped: the worker saw the budget run out a moment before the broker
-                        self.late(job, now)
-                    else:
-                        job.answered = True
-                        _add_reply(self.outbox, job.envelope, view[at:at + size])
-                        tally(self.requests, self.latency, self.bounds, job.op,
-                               <str>_OUTCOMES[code] if code < known else "internal", now - job.received)
-                at += size
-        finally:
-            PyBuffer_Release(&hb)
+        for i in range(n):
+            p = header + RESULT_BYTES * i
+            size = <Py_ssize_t>get_le(p + RESULT_SIZE_AT, 4)
+            code = p[RESULT_OUTCOME_AT]
+            found = dispatcher.finish(wid, <long long>get_le(p + RESULT_ID_AT, 8), code == 0)
+            if found is not None:
+                job = <Job>found
+                jobs.release(job)
+                if job.answered:
+                    pass
+                elif code == 1 or size == 0:  # skipped: the worker saw the budget run out a moment before the broker
+                    self.late(job, now)
+                else:
+                    job.answered = True
+                    hold_reply(self.outbox, job.envelope, view[at:at + size])
+                    tally(self.requests, self.latency, self.bounds, job.op,
+                          <str>_OUTCOMES[code] if code < known else "internal", now - job.received)
+            at += size
+        return 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import msgpack
 import zmq
@@ -41,7 +41,8 @@ from tokenbroker.common.protocol import (
     Ready,
 )
 
-from ._batches import check_results, job_batch
+from ._batches import drain, results_problem, send_jobs
+from ._intake import Intake
 from ._jobs import Job
 
 log = logging.getLogger(__name__)
@@ -52,10 +53,6 @@ MAX_LOADED_BYTES = 4 * 1024 * 1024  # a LOADED body (its special-token list) lar
 # heartbeat meanwhile, so while a LOAD is outstanding it may be silent this long before it is gone.
 LOAD_GRACE_S = 60.0
 BATCH_BYTES = 4 * 1024 * 1024  # payload bytes in one backend message, past its first job
-_NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
-_NOBLOCK_MORE = _NOBLOCK | _SNDMORE
-_raw_send = zmq.backend.Socket.send  # the Cython method under pyzmq's Python `Socket.send`
-_COPY_THRESHOLD = zmq.COPY_THRESHOLD
 
 
 @dataclass
@@ -80,12 +77,11 @@ class Joined:
 
 @dataclass(frozen=True)
 class Results:
-    """A W_RESULTS batch, checked (its records agree with its payload frame): the loop's compiled
-    intake walks it (broker/_intake.pyx `Intake.results`), no object per result built here."""
+    """A draining worker's W_RESULTS batch was finished (by the core, broker/_batches.pyx `drain`,
+    which hands each batch to the intake with no event built): it may hold nothing now. A worker
+    not draining gets no event for its results."""
 
     wid: bytes
-    header: bytes  # RESULT records (common/protocol.py): job id, outcome, reply bytes
-    replies: bytes  # the replies, back to back
 
 
 @dataclass(frozen=True)
@@ -142,27 +138,34 @@ class Backend:
     def expiry(now: float) -> float:
         return now + HEARTBEAT_INTERVAL_S * HEARTBEAT_LIVENESS
 
-    def receive(self, now: float, limit: int = 8192) -> list[object]:
-        """Drain what has arrived (up to `limit` messages); returns events in arrival order."""
-        events: list[object] = []
-        recv = self.sock.recv
-        for _ in range(limit):
+    def receive(self, intake: Intake, now: float, limit: int = 8192) -> Iterator[object]:
+        """Drain what has arrived (up to `limit` messages), yielding events in arrival order.
+
+        The W_RESULTS of known workers are finished in the core as they come (broker/_batches.pyx
+        `drain` hands each to `intake`); the core stops at anything else, which `_on_frames` turns
+        into events here, so each event is handled before the messages after it are read."""
+        expiry = self.expiry(now)
+        while limit > 0:
             try:
-                frames = [recv(_NOBLOCK)]
-            except zmq.Again:
-                break
-            # The frames after the identity come as Frames, whose `more` says whether another
-            # follows: sock.get(RCVMORE) costs an enum lookup and a getpid per call.
-            more = True
-            while more:
-                frame = recv(_NOBLOCK, copy=False)
-                more = frame.more
-                frames.append(frame.bytes)
-            try:
-                events.extend(self._on_frames(frames, now))
+                taken, got = drain(self.sock, self.workers, intake, now, expiry, limit)
+            except zmq.ZMQError:
+                raise
             except Exception:  # a bug must cost this message, never the loop
                 log.exception("dropped a backend message that could not be handled")
-        return events
+                limit -= 1
+                continue
+            limit -= taken
+            if got is None:
+                return
+            if isinstance(got, bytes):  # a draining worker's results were finished
+                yield Results(got)
+                continue
+            try:
+                events = self._on_frames(got, now)
+            except Exception:  # a bug must cost this message, never the loop
+                log.exception("dropped a backend message that could not be handled")
+                continue
+            yield from events
 
     def _drop(self, kind: str, msg: str, *args: object) -> list[object]:
         self._log.warn(kind, msg, *args)
@@ -176,11 +179,8 @@ class Backend:
         if worker is None and kind in (W_RESULTS, W_HEARTBEAT):
             self._send(wid, B_RESET)  # a worker we forgot (it was silent, stopped): it says READY again now
             return []
-        if kind == W_RESULTS and worker is not None:  # (None: answered B_RESET above)
-            try:
-                return [Results(wid, *check_results(body))]
-            except ValueError as e:
-                return self._drop("results", "worker %s sent a malformed RESULTS: %s", worker.name, e)
+        if kind == W_RESULTS and worker is not None:  # one the core's drain refused (None: answered B_RESET above)
+            return self._drop("results", "worker %s sent a malformed RESULTS: %s", worker.name, results_problem(body))
         if kind == W_HEARTBEAT and worker is not None:
             if len(body) != 1 or len(body[0]) > MAX_REPORT_BYTES:
                 return self._drop("heartbeat", "worker %s sent a malformed HEARTBEAT (%d frames)", worker.name, len(body))
@@ -282,13 +282,8 @@ class Backend:
 
     def send_jobs(self, wid: bytes, jobs: list[Job], now: float) -> None:
         """Send jobs to `wid`, at most MAX_BATCH_JOBS and BATCH_BYTES a message; each job's budget is
-        what is left of its deadline at `now` (the records built in the core, broker/_batches.pyx)."""
-        start = 0
-        while start < len(jobs):
-            start, header, blob = job_batch(jobs, now, start, MAX_BATCH_JOBS, BATCH_BYTES)
-            # copy=False: pyzmq copies a frame under zmq.COPY_THRESHOLD (64 KiB) into the message and
-            # hands a larger one to ZeroMQ as it is (a payload, or a view of an array frame) with no copy.
-            self._send_frames([wid, B_JOBS, header, blob], copy=False, block=True)
+        what is left of its deadline at `now` (built and sent in the core, broker/_batches.pyx)."""
+        send_jobs(self.sock, wid, jobs, now, MAX_BATCH_JOBS, BATCH_BYTES)
 
     def forget(self, wid: bytes) -> WorkerState | None:
         return self.workers.pop(wid, None)
@@ -307,18 +302,13 @@ class Backend:
     def _send(self, wid: bytes, kind: bytes) -> None:
         self._send_frames([wid, kind])
 
-    def _send_frames(self, frames: list, *, copy: bool = True, block: bool = False) -> None:
-        """Frame by frame, through pyzmq's Cython send with plain int flags (its Python `send`
-        wrapper and send_multipart cost more than the sends). copy=False: a frame under ZeroMQ's
-        copy threshold is still copied (no Frame object built for it), a larger one is not."""
-        sock, more = self.sock, _SNDMORE if block else _NOBLOCK_MORE
-        last = len(frames) - 1
+    def _send_frames(self, frames: list[bytes]) -> None:
+        """A control message (the jobs go through the core): never blocks, and a failed send is
+        the peer's loss (it is gone, or will hear the next heartbeat)."""
         try:
-            for i, frame in enumerate(frames):
-                _raw_send(sock, frame, more if i < last else more & ~_SNDMORE, copy or len(frame) < _COPY_THRESHOLD)
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError:
-            if block:
-                raise
+            pass
 
     def ready_count(self) -> int:
         return sum(1 for w in self.workers.values() if not w.draining)

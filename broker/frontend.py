@@ -18,15 +18,14 @@ them. A connection that never sent an array gets each reply alone, as in 1.1.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Container, cast
+from typing import Container, cast
 
-import msgpack
 import zmq
 
 from tokenbroker.common.errors import ProtocolError
 from tokenbroker.common.protocol import NIL, Envelope, error_reply
 
-from ._intake import add_reply, send_replies
+from ._outbox import add_reply, send_replies
 from ._peek import Peek, peek_array, peek_request
 from .oversized import id_in_place
 
@@ -38,10 +37,6 @@ LARGE_PAYLOAD = 1024 * 1024  # a payload at least this long is received as a vie
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)  # a plain int: `sock.rcvmore` costs an enum lookup per frame
 REPLY_FRAME_BYTES = 4 * 1024 * 1024  # replies coalesced in one frame, past its first
-_PACKER = msgpack.Packer()
-_NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-_raw_send: Callable[..., Any] = zmq.backend.Socket.send  # the Cython method under pyzmq's Python `Socket.send`
-_COPY_THRESHOLD = zmq.COPY_THRESHOLD
 _ARRAYS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
 
 
@@ -155,9 +150,8 @@ class Frontend:
         reply goes as its map); any other gets each reply alone, as in 1.1.
         `holding`: the connections that still have requests held; the others stop being array
         speakers here (they say so again with their next array), so the set stays small."""
-        if self.outbox:  # the loop over the replies is compiled (broker/_intake.pyx `send_replies`)
-            send_replies(self.sock, self.outbox, self.arrays, holding, _raw_send, _PACKER.pack_array_header,
-                         REPLY_FRAME_BYTES, _NOBLOCK_MORE, _NOBLOCK, _COPY_THRESHOLD)
+        if self.outbox:  # sent over libzmq from compiled code (broker/_outbox.pyx `send_replies`)
+            send_replies(self.sock, self.outbox, self.arrays, holding, REPLY_FRAME_BYTES)
 
     def refuse(self, envelope: Envelope, peek: Peek) -> None:
         """Answer a request the core refused (an array's element: its `code` and `message` set,

@@ -311,10 +311,12 @@ class Broker:
     # --- backend -----------------------------------------------------------------------
 
     def _on_backend(self, now: float) -> None:
-        for event in self.backend.receive(now):
+        """Drain the backend: the workers' results are finished in the core as they come (broker/
+        _batches.pyx `drain`, through `Intake.results`); the rest arrive here as events, in order."""
+        for event in self.backend.receive(self.intake, now):
             try:
                 if isinstance(event, Results):
-                    self._on_results(event, now)
+                    self._gone_if_idle(event.wid, now)
                 elif isinstance(event, ModelLoaded):
                     self._on_loaded(event, now)
                 elif isinstance(event, Joined):
@@ -328,12 +330,6 @@ class Broker:
                     self._gone_if_idle(event.wid, now)
             except Exception:  # a bug must cost this event, never the loop
                 log.exception("could not handle a backend event %s", type(event).__name__)
-
-    def _on_results(self, event: Results, now: float) -> None:
-        """Finished, let go and replied in the core (`Intake.results`); `_late` answers the jobs
-        a worker skipped (or answered empty) because their budget ran out."""
-        self.intake.results(event.wid, event.header, event.replies, now)
-        self._gone_if_idle(event.wid, now)
 
     def _late(self, job: Job, now: float) -> None:
         self._fail(job, self._timeout(job), now)
