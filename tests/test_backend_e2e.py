@@ -5,13 +5,15 @@ from __future__ import annotations
 import struct
 import subprocess
 import sys
+import time
 
 import msgpack
 import pytest
 import zmq
 
 from helpers import Conn, free_port, start_broker, wait_until
-from tokenbroker.common.protocol import PROTOCOL_VERSION, W_HEARTBEAT, W_READY, W_RESULTS
+from tokenbroker.common.protocol import (B_JOBS, B_RESET, PROTOCOL_VERSION, W_BYE, W_HEARTBEAT, W_READY, W_RESULTS,
+                                         pack_results, unpack_jobs)
 
 
 def ready(name: str, **over) -> bytes:
@@ -74,6 +76,87 @@ def test_malformed_backend_frame_leaves_the_broker_serving(tcp_broker, frames: l
         assert c.call("ping")["workers"] >= 1
     finally:
         sock.close()
+        c.close()
+
+
+def _admit(c: Conn, sock: zmq.Socket, name: str) -> None:
+    """`sock` says READY as `name` with the pool's fingerprints (no secret without CURVE) and is admitted."""
+    workers = c.call("ping")["workers"]
+    fingerprints = {m["name"]: m["fingerprint"] for m in c.call("models")["models"]}
+    sock.send_multipart([W_READY, ready(name, fingerprints=fingerprints)])
+    wait_until(lambda: c.call("ping")["workers"] == workers + 1, what=f"{name} admitted")
+
+
+def _a_job(client: zmq.Socket, sock: zmq.Socket) -> tuple[int, dict]:
+    """Requests with fresh affinity keys until one reaches the rogue `sock`: its job id and request."""
+    for i in range(200):
+        client.send_multipart([b"", msgpack.packb({"id": i, "op": "tokenize", "text": f"to the rogue {i}",
+                                                   "affinity": f"rogue-{i}", "deadline_ms": 30000})])
+        while sock.poll(50):
+            kind, *body = sock.recv_multipart()
+            if kind == B_JOBS:
+                (job_id, _, payload), = unpack_jobs(body)
+                return job_id, msgpack.unpackb(payload)
+    raise AssertionError("no job reached the rogue worker in 200 requests")
+
+
+def test_a_draining_workers_last_results_go_back_as_sent_once_and_let_it_go(tcp_broker) -> None:
+    """W_RESULTS are finished in the broker's compiled drain. One that disagrees with itself (a
+    frame too many) is dropped and logged with why, and its job stays held; the worker says BYE
+    holding that job; its well-formed result then answers the client with exactly the bytes the
+    worker sent (a view of its frame, never re-encoded), and the broker lets the idle worker go,
+    so the same result sent again is answered to no one but the worker: RESET."""
+    broker, backend = tcp_broker
+    c = Conn(broker.endpoint)
+    client = rogue(broker.endpoint)
+    sock = rogue(backend)
+    try:
+        _admit(c, sock, "results-rogue")
+        job_id, request = _a_job(client, sock)
+        reply = msgpack.packb({"id": request["id"], "ok": True, "tokens": [7, 7, 7], "worker": "results-rogue"})
+        results = pack_results([(job_id, "ok", reply)])
+        time.sleep(1.1)  # the backend logs one malformed RESULTS a second; an earlier test's may be that recent
+        sock.send_multipart([*results, b"a frame too many"])
+        wait_until(lambda: broker.logged("worker results-rogue sent a malformed RESULTS: a result batch must be a "
+                                         "header and one payload frame, got 3 frames"), what="the refusal logged")
+        sock.send_multipart([W_BYE])
+        sock.send_multipart(results)
+        got = []
+        while reply not in got and client.poll(10_000):
+            got.append(client.recv_multipart()[-1])
+        sock.send_multipart(results)  # again, from a worker the broker let go
+        assert wait_until(lambda: sock.poll(100) and sock.recv_multipart() == [B_RESET], what="RESET")
+        while client.poll(300):
+            got.append(client.recv_multipart()[-1])
+        assert got.count(reply) == 1
+        assert c.call("tokenize", text="still serving")["ok"]
+    finally:
+        sock.close()
+        client.close()
+        c.close()
+
+
+def test_replies_to_a_client_that_left_cost_the_broker_nothing(tcp_broker) -> None:
+    """Arrays from clients that close before their replies come: each reply is dropped at its send
+    (costing only itself), and the broker serves the next client's array whole."""
+    broker, _ = tcp_broker
+    c = Conn(broker.endpoint)
+    try:
+        wait_until(lambda: c.call("ping")["workers"] == 1, what="earlier tests' rogues gone")
+        for round in range(3):
+            gone = rogue(broker.endpoint)
+            gone.send_multipart([b"", msgpack.packb([{"id": i, "op": "tokenize", "text": f"left {round} {i}"}
+                                                     for i in range(64)])])
+            gone.send_multipart([b"", msgpack.packb({"id": 0, "op": "tokenize", "text": "x" * 100_000})])
+            gone.close()
+        c.send_raw(b"", msgpack.packb([{"id": i, "op": "tokenize", "text": f"after {i}"} for i in range(64)]))
+        replies: list[dict] = []
+        while len(replies) < 64:  # one frame per turn that answered some: an array, or a lone reply's map
+            got = msgpack.unpackb(c.recv_frames()[-1])
+            replies += got if isinstance(got, list) else [got]
+        assert sorted(r["id"] for r in replies) == list(range(64)) and all(r["ok"] for r in replies)
+        assert broker.proc.poll() is None and not broker.logged("Traceback")
+    finally:
         c.close()
 
 

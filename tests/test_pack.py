@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tokenbroker import _codec
 from tokenbroker.broker._batches import results_problem, send_jobs
 from tokenbroker.broker._jobs import Job
-from tokenbroker.common.protocol import JOB, OUTCOMES, RESULT
+from tokenbroker.common.protocol import JOB, OUTCOMES, RESULT, unpack_jobs
 from tokenbroker.workers._core import pack_tokens
 
 
@@ -166,6 +166,20 @@ def test_a_job_batch_header_is_the_protocols_records(backend_pair, jobs: list[tu
     want = b"".join(JOB.pack(job_id, min(max(int(deadline * 1000), 1), 2**31 - 1), len(raw))
                     for job_id, raw, deadline in jobs)
     assert kind == b"J" and header == want and blob == b"".join(raw for _, raw, _ in jobs)
+
+
+def test_jobs_past_a_batchs_bounds_go_in_the_next_message(backend_pair) -> None:
+    """At most max_jobs jobs a message, and max_bytes payload bytes past its first job (a job larger
+    than the bound still goes, alone); each payload any buffer (bytes, a view of an array's frame)."""
+    router, dealer = backend_pair
+    raws: list[bytes | memoryview] = [b"a" * 10, memoryview(b"xxbbbbbbbbbbyy")[2:12], b"c" * 30, b"d", b"e", b"f"]
+    made = [Job(i, [b"c"], b"\xc0", raw, "tokenize", None, 0.0, 1.0, 0.0) for i, raw in enumerate(raws)]
+    send_jobs(router, b"w1", made, 0.0, 2, 20)
+    got = []
+    while dealer.poll(200):
+        kind, header, blob = dealer.recv_multipart()
+        got.append([(job_id, bytes(payload)) for job_id, _, payload in unpack_jobs([header, blob])])
+    assert got == [[(0, b"a" * 10), (1, b"b" * 10)], [(2, b"c" * 30)], [(3, b"d"), (4, b"e")], [(5, b"f")]]
 
 
 @given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, len(OUTCOMES) - 1), st.binary(max_size=40)),
