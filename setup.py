@@ -32,6 +32,7 @@ CORES = [
     ("tokenbroker.broker._router", "broker/_router.pyx"),
     ("tokenbroker.broker._dispatch", "broker/_dispatch.pyx"),
     ("tokenbroker.broker._counters", "broker/_counters.pyx"),
+    ("tokenbroker.broker._buffers", "broker/_buffers.pyx"),
     ("tokenbroker.broker._outbox", "broker/_outbox.pyx"),
     ("tokenbroker.broker._intake", "broker/_intake.pyx"),
     ("tokenbroker.workers._core", "workers/_core.pyx"),

@@ -5,8 +5,8 @@
 [D, RESULT * n, replies]; the records' layout is common/_wire.pxd's).
 
 Why here and not through pyzmq: a batch's records are written straight into the libzmq message
-that carries them, its payloads copied once into one message made to measure (a lone payload held
-as the libzmq message it came in is passed on by reference); a W_RESULTS payload frame stays the
+that carries them, its payloads copied once into one message made to measure (broker/_buffers.pyx;
+a lone payload held as the libzmq message it came in is passed on by reference); a W_RESULTS payload frame stays the
 libzmq message it came in, and the replies are views of it until the frontend sends them. Every
 other message from a worker (READY, HEARTBEAT, LOADED, BYE, anything malformed or unknown) goes to
 Python as its frames (broker/backend.py `Backend._on_frames`): one path for control.
@@ -16,6 +16,7 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.string cimport memcpy
 
+from tokenbroker.broker._buffers cimport sized_message
 from tokenbroker.broker._intake cimport Intake
 from tokenbroker.broker._jobs cimport Job
 from tokenbroker.common._message cimport Message
@@ -77,7 +78,9 @@ cdef int _send_batch(void* s, bytes wid, list jobs, Py_ssize_t start, Py_ssize_t
     zmq_msg_init(&header)
     zmq_msg_init(&payloads)  # empty until made: each holds nothing to free before it is sized
     try:
-        _sized(&header, JOB_BYTES * n)
+        if zmq_msg_init_size(&header, <size_t>(JOB_BYTES * n)) < 0:
+            zmq_msg_init(&header)
+            raise MemoryError()
         h = <uchar*>zmq_msg_data(&header)
         for i in range(n):
             job = <Job>jobs[start + i]
@@ -92,7 +95,7 @@ cdef int _send_batch(void* s, bytes wid, list jobs, Py_ssize_t start, Py_ssize_t
         if n == 1 and type(job.raw) is Message:
             (<Message>job.raw).share(&payloads)
         else:
-            _sized(&payloads, size)
+            sized_message(&payloads, <size_t>size)
             o = <uchar*>zmq_msg_data(&payloads)
             for i in range(start, end):
                 PyObject_GetBuffer((<Job>jobs[i]).raw, &b, PyBUF_SIMPLE)
@@ -113,14 +116,6 @@ cdef int _send_batch(void* s, bytes wid, list jobs, Py_ssize_t start, Py_ssize_t
     finally:
         zmq_msg_close(&header)  # each empty once sent: closing is a no-op then
         zmq_msg_close(&payloads)
-    return 0
-
-
-cdef int _sized(zmq_msg_t* msg, Py_ssize_t size) except -1:
-    """`msg` (empty) made a message of `size` bytes for the caller to write; MemoryError when it cannot be."""
-    if zmq_msg_init_size(msg, <size_t>size) < 0:
-        zmq_msg_init(msg)  # libzmq leaves a failed one unfit to close
-        raise MemoryError()
     return 0
 
 

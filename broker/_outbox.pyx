@@ -4,18 +4,19 @@
 the design).
 
 Why libzmq directly: a reply is a view of a worker's W_RESULTS frame (or bytes the broker built).
-`zmq_send` copies it into its message once, and an array's replies are written back to back into
-one message made to measure (`zmq_msg_init_size`): no Python bytes are built for a frame, no
-Python call is made per frame.
+It is copied once, into the message that carries it, and an array's replies are written back to
+back into one message made to measure (broker/_buffers.pyx): no Python bytes are built for a
+frame, no Python call is made per frame.
 """
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from libc.string cimport memcpy
 
+from tokenbroker.broker._buffers cimport sized_message
 from tokenbroker.broker._outbox cimport hold_reply
 from tokenbroker.common._pack cimport array_head_size, put_array_head
 from tokenbroker.common._zmq cimport (ZMQ_DONTWAIT, ZMQ_SNDMORE, handle_of, load_libzmq, zmq_msg_close, zmq_msg_data,
-                                      zmq_msg_init_size, zmq_msg_send, zmq_msg_t, zmq_send)
+                                      zmq_msg_send, zmq_msg_t, zmq_send)
 
 load_libzmq()
 
@@ -72,14 +73,20 @@ cdef bint _send_envelope(void* s, bytes identity, bint delimited) noexcept:
 
 
 cdef int _send_alone(void* s, bytes identity, bint delimited, payload) except -1:
-    """One reply as its own frame (zmq_send copies it into the message)."""
+    """One reply as its own frame."""
+    cdef zmq_msg_t msg
     cdef Py_buffer b
     PyObject_GetBuffer(payload, &b, PyBUF_SIMPLE)
     try:
-        if _send_envelope(s, identity, delimited):
-            zmq_send(s, b.buf, <size_t>b.len, ZMQ_DONTWAIT)  # a failure (the client is gone) costs this reply
+        sized_message(&msg, <size_t>b.len)
+        memcpy(zmq_msg_data(&msg), b.buf, b.len)
     finally:
         PyBuffer_Release(&b)
+    try:
+        if _send_envelope(s, identity, delimited):
+            zmq_msg_send(&msg, s, ZMQ_DONTWAIT)  # a failure (the client is gone) costs this reply
+    finally:
+        zmq_msg_close(&msg)  # after a send, an empty message: closing it is a no-op
     return 0
 
 
@@ -90,8 +97,7 @@ cdef int _send_array(void* s, bytes identity, bint delimited, list payloads, Py_
     cdef Py_buffer b
     cdef uchar* o
     cdef Py_ssize_t i
-    if zmq_msg_init_size(&msg, <size_t>(array_head_size(end - start) + size)) < 0:
-        raise MemoryError()
+    sized_message(&msg, <size_t>(array_head_size(end - start) + size))
     try:
         o = put_array_head(<uchar*>zmq_msg_data(&msg), end - start)
         for i in range(start, end):
