@@ -90,6 +90,7 @@ class Broker:
         caches = config.models.cache
         self.dispatcher = Dispatcher(self.router, spill_wait=config.spill_wait_ms / 1000,
                                      worker_bytes=config.worker_max_bytes, eligible=self.placement.eligible,
+                                     holders=self.placement.holders_of,
                                      long_off_loop=not (caches.l0_enabled or caches.l1_enabled))
         self.removing: set[str] = set()  # models removed whose queued jobs are still being served
         self.next_plan = 0.0
