@@ -5,7 +5,9 @@ for interval x liveness is gone. What each worker holds is the dispatcher's (doc
 this module knows connections, not jobs.
 
 Every frame from a worker is untrusted: a malformed READY, HEARTBEAT, RESULTS or BYE is dropped
-and logged (at most once a second per kind), never raised, so no peer can stop the loop.
+and logged (at most once a second per kind), never raised, so no peer can stop the loop. The data
+path is compiled (broker/_batches.pyx): a known worker's W_RESULTS is received, checked and
+finished there, and B_JOBS are written there; every other message comes here as its frames.
 Workers connect with identities ZeroMQ picks per connection and the ROUTER never hands an
 identity over, so no peer can take another's connection; a READY that names a live worker is
 refused unless it comes from the same process (its incarnation), which is how a reconnect looks.
