@@ -132,63 +132,85 @@ def drain(sock, dict workers, Intake intake, double now, double expiry, Py_ssize
     one; or the wid of a draining worker whose results were just finished (it may hold nothing now).
     ZMQError when the socket fails."""
     cdef void* s = handle_of(sock)
-    cdef zmq_msg_t first
+    cdef zmq_msg_t frame
     cdef Py_ssize_t taken = 0
-    cdef list rest
-    cdef Message header, blob
     cdef bytes wid
+    cdef list body
     cdef int rc, err
     while taken < limit:
-        zmq_msg_init(&first)
-        rc = zmq_msg_recv(&first, s, ZMQ_DONTWAIT)
+        zmq_msg_init(&frame)
+        rc = zmq_msg_recv(&frame, s, ZMQ_DONTWAIT)
         if rc < 0:
-            zmq_msg_close(&first)
+            zmq_msg_close(&frame)
             err = zmq_errno()
             if err == EAGAIN or err == EINTR:
                 return taken, None
             raise ZMQError(err, zmq_error(err))
         taken += 1
-        wid = PyBytes_FromStringAndSize(<const char*>zmq_msg_data(&first), <Py_ssize_t>zmq_msg_size(&first))
         try:
-            rest = _rest(s, &first)
+            wid = _bytes(&frame)
+            if not zmq_msg_more(&frame):  # an identity alone
+                return taken, [wid]
+            _next(s, &frame)  # the kind: the frames after the first are all there once it is
+            worker = workers.get(wid) if _is_results(&frame) else None
+            if worker is None:  # not a known worker's W_RESULTS: as it came, for Python
+                return taken, _rest(s, &frame, [wid, _bytes(&frame)])
+            worker.expiry = expiry
+            body = _results(s, wid, intake, now)
+            if body is not None:  # malformed
+                return taken, [wid, W_RESULTS, *body]
         finally:
-            zmq_msg_close(&first)
-        worker = workers.get(wid)
-        if worker is None or len(rest) != 3 or not _is_results(<Message>rest[0]):
-            return taken, _frames(wid, rest)
-        header, blob = <Message>rest[1], <Message>rest[2]
-        worker.expiry = expiry
-        if _problem(header.size, header.data, blob.size) is not None:
-            return taken, _frames(wid, rest)
-        intake.results(wid, header.data, header.size // RESULT_BYTES, blob, now)
+            zmq_msg_close(&frame)
         if worker.draining:
             return taken, wid
     return taken, None
 
 
-cdef list _rest(void* s, zmq_msg_t* first):
-    """The frames after `first` (a message's identity), each a Message: they are all there once
-    the first is."""
-    cdef list rest = []
-    cdef Message m
-    cdef bint more = zmq_msg_more(first)
-    while more:
-        m = Message.__new__(Message)
-        if zmq_msg_recv(&m.msg, s, 0) < 0:
-            raise ZMQError(zmq_errno(), zmq_error(zmq_errno()))
-        m.fill()
-        more = zmq_msg_more(&m.msg)
-        rest.append(m)
-    return rest
+cdef inline bint _is_results(zmq_msg_t* kind) noexcept:
+    return zmq_msg_size(kind) == 1 and (<const uchar*>zmq_msg_data(kind))[0] == _RESULTS and zmq_msg_more(kind)
 
 
-cdef inline bint _is_results(Message kind) noexcept:
-    return kind.size == 1 and kind.data[0] == _RESULTS
+cdef list _results(void* s, bytes wid, Intake intake, double now):
+    """A W_RESULTS body (its kind read): to `intake` when its header and one payload frame agree
+    (None), else its frames as bytes, read to the message's end (the backend says why it dropped it)."""
+    cdef zmq_msg_t header
+    cdef Message blob = Message.__new__(Message)
+    zmq_msg_init(&header)
+    try:
+        _next(s, &header)
+        if not zmq_msg_more(&header):
+            return [_bytes(&header)]
+        _next(s, &blob.msg)
+        blob.fill()
+        if zmq_msg_more(&blob.msg) or _problem(<Py_ssize_t>zmq_msg_size(&header), <const uchar*>zmq_msg_data(&header),
+                                               blob.size) is not None:
+            return _rest(s, &blob.msg, [_bytes(&header), bytes(blob)])
+        intake.results(wid, <const uchar*>zmq_msg_data(&header), <Py_ssize_t>zmq_msg_size(&header) // RESULT_BYTES,
+                       blob, now)
+        return None
+    finally:
+        zmq_msg_close(&header)
 
 
-cdef list _frames(bytes wid, list rest):
-    """A message as Backend._on_frames takes it: its frames as bytes."""
-    return [wid] + [bytes(m) for m in rest]
+cdef inline bytes _bytes(zmq_msg_t* frame):
+    return PyBytes_FromStringAndSize(<const char*>zmq_msg_data(frame), <Py_ssize_t>zmq_msg_size(frame))
+
+
+cdef int _next(void* s, zmq_msg_t* frame) except -1:
+    """The message's next frame into `frame` (which may hold the one before)."""
+    zmq_msg_close(frame)
+    zmq_msg_init(frame)
+    if zmq_msg_recv(frame, s, 0) < 0:
+        raise ZMQError(zmq_errno(), zmq_error(zmq_errno()))
+    return 0
+
+
+cdef list _rest(void* s, zmq_msg_t* frame, list frames):
+    """The frames after `frame` read to the message's end, appended to `frames` as bytes."""
+    while zmq_msg_more(frame):
+        _next(s, frame)
+        frames.append(_bytes(frame))
+    return frames
 
 
 cdef str _problem(Py_ssize_t header_size, const uchar* header, Py_ssize_t blob_size):
