@@ -16,7 +16,7 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.string cimport memcpy
 
-from tokenbroker.broker._buffers cimport sized_message
+from tokenbroker.broker._buffers cimport sized_message, whole_message
 from tokenbroker.broker._intake cimport Intake
 from tokenbroker.broker._jobs cimport Job
 from tokenbroker.common._message cimport Message
@@ -46,8 +46,8 @@ assert len(B_JOBS) == 1 and len(W_RESULTS) == 1
 def send_jobs(sock, bytes wid, list jobs, double now, Py_ssize_t max_jobs, Py_ssize_t max_bytes) -> None:
     """Send `jobs` to worker `wid`, at most `max_jobs` jobs and `max_bytes` payload bytes past the
     first a message. Each job's budget is the time left of its deadline at `now` in ms (at least 1,
-    at most 2**31-1). A job's `raw` is any buffer; a lone job whose raw is a whole Message goes on as
-    that message (zmq_msg_copy: no copy of a large one). ZMQError when a send fails."""
+    at most 2**31-1). A job's `raw` is any buffer; a lone job whose raw is all of a Message (or a view
+    of all of it) goes on as that message (zmq_msg_copy: no copy of a large one). ZMQError when a send fails."""
     cdef void* s = handle_of(sock)
     cdef Py_ssize_t start = 0, end, size, length
     while start < len(jobs):
@@ -71,6 +71,7 @@ cdef int _send_batch(void* s, bytes wid, list jobs, Py_ssize_t start, Py_ssize_t
     cdef uchar* o
     cdef Py_buffer b
     cdef Job job
+    cdef Message whole
     cdef double left
     cdef long long budget
     cdef int rc = 0
@@ -91,9 +92,9 @@ cdef int _send_batch(void* s, bytes wid, list jobs, Py_ssize_t start, Py_ssize_t
             put_le(h + JOB_BYTES * i + JOB_ID_AT, <u64>job.job_id, 8)
             put_le(h + JOB_BYTES * i + JOB_BUDGET_AT, <u64>budget, 4)
             put_le(h + JOB_BYTES * i + JOB_SIZE_AT, <u64>len(job.raw), 4)
-        job = <Job>jobs[start]
-        if n == 1 and type(job.raw) is Message:
-            (<Message>job.raw).share(&payloads)
+        whole = whole_message((<Job>jobs[start]).raw) if n == 1 else None
+        if whole is not None:
+            whole.share(&payloads)
         else:
             sized_message(&payloads, <size_t>size)
             o = <uchar*>zmq_msg_data(&payloads)

@@ -12,15 +12,12 @@ frame, no Python call is made per frame.
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from libc.string cimport memcpy
 
-from tokenbroker.broker._buffers cimport sized_message
+from tokenbroker.broker._buffers cimport sized_message, whole_message
 from tokenbroker.broker._outbox cimport hold_reply
 from tokenbroker.common._message cimport Message
 from tokenbroker.common._pack cimport array_head_size, put_array_head
 from tokenbroker.common._zmq cimport (ZMQ_DONTWAIT, ZMQ_SNDMORE, handle_of, load_libzmq, zmq_msg_close, zmq_msg_data,
                                       zmq_msg_send, zmq_msg_t, zmq_send)
-
-cdef extern from "Python.h":
-    Py_buffer* PyMemoryView_GET_BUFFER(object view)
 
 load_libzmq()
 
@@ -81,7 +78,7 @@ cdef int _send_alone(void* s, bytes identity, bint delimited, payload) except -1
     as that libzmq message (`share`: no copy of a large one); any other is copied into its message."""
     cdef zmq_msg_t msg
     cdef Py_buffer b
-    cdef Message whole = _whole(payload)
+    cdef Message whole = whole_message(payload)
     if whole is not None:
         whole.share(&msg)
     else:
@@ -97,21 +94,6 @@ cdef int _send_alone(void* s, bytes identity, bint delimited, payload) except -1
     finally:
         zmq_msg_close(&msg)  # after a send, an empty message: closing it is a no-op
     return 0
-
-
-cdef Message _whole(payload):
-    """The Message `payload` is all of (itself, or a view of all its bytes), else None."""
-    cdef Py_buffer* view
-    cdef Message owner
-    if type(payload) is Message:
-        return <Message>payload
-    if type(payload) is memoryview:
-        view = PyMemoryView_GET_BUFFER(payload)
-        if <void*>view.obj != NULL and type(view.obj) is Message:
-            owner = <Message>view.obj
-            if view.buf == <void*>owner.data and view.len == owner.size:
-                return owner
-    return None
 
 
 cdef int _send_array(void* s, bytes identity, bint delimited, list payloads, Py_ssize_t start, Py_ssize_t end,
