@@ -122,7 +122,7 @@ cdef int _send_batch(void* s, bytes wid, list jobs, Py_ssize_t start, Py_ssize_t
 
 # --- W_RESULTS ------------------------------------------------------------------------------------
 
-def drain(sock, dict workers, Intake intake, double now, double expiry, Py_ssize_t limit) -> tuple:
+cpdef tuple drain(sock, dict workers, Intake intake, double now, double expiry, Py_ssize_t limit):
     """Receive what the backend socket holds, up to `limit` messages, until Python is needed.
 
     A W_RESULTS from a known worker (in `workers`, wid -> broker/backend.py WorkerState) is checked
