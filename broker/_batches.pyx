@@ -6,10 +6,11 @@
 
 Why here and not through pyzmq: a batch's records are written straight into the libzmq message
 that carries them, its payloads copied once into one message made to measure (broker/_buffers.pyx;
-a lone payload held as the libzmq message it came in is passed on by reference); a W_RESULTS payload frame stays the
-libzmq message it came in, and the replies are views of it until the frontend sends them. Every
-other message from a worker (READY, HEARTBEAT, LOADED, BYE, anything malformed or unknown) goes to
-Python as its frames (broker/backend.py `Backend._on_frames`): one path for control.
+a lone payload held as the libzmq message it came in is passed on by reference); a W_RESULTS
+payload frame stays the libzmq message it came in, and the replies are views of it until the
+frontend sends them. Every other message from a worker (READY, HEARTBEAT, LOADED, BYE, anything
+malformed or unknown) goes to Python as its frames (broker/backend.py `Backend._on_frames`): one
+path for control.
 """
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
@@ -46,8 +47,9 @@ assert len(B_JOBS) == 1 and len(W_RESULTS) == 1
 def send_jobs(sock, bytes wid, list jobs, double now, Py_ssize_t max_jobs, Py_ssize_t max_bytes) -> None:
     """Send `jobs` to worker `wid`, at most `max_jobs` jobs and `max_bytes` payload bytes past the
     first a message. Each job's budget is the time left of its deadline at `now` in ms (at least 1,
-    at most 2**31-1). A job's `raw` is any buffer; a lone job whose raw is all of a Message (or a view
-    of all of it) goes on as that message (zmq_msg_copy: no copy of a large one). ZMQError when a send fails."""
+    at most 2**31-1). A job's `raw` is any buffer; a lone job whose raw is all of a Message (or a
+    view of all of it) goes on as that message (zmq_msg_copy: no copy of a large one). ZMQError
+    when a send fails."""
     cdef void* s = handle_of(sock)
     cdef Py_ssize_t start = 0, end, size, length
     while start < len(jobs):

@@ -12,7 +12,8 @@ POOL_KEPT bytes in all; a block it does not keep is freed. A smaller message is 
 (zmq_msg_init_size: inside the message up to 33 bytes, else malloc's small-block heap).
 """
 
-from tokenbroker.common._zmq cimport load_libzmq, zmq_free_fn, zmq_msg_init, zmq_msg_init_data, zmq_msg_init_size, zmq_msg_t
+from tokenbroker.common._zmq cimport (load_libzmq, zmq_free_fn, zmq_msg_init, zmq_msg_init_data, zmq_msg_init_size,
+                                      zmq_msg_t)
 
 cdef extern from *:
     """

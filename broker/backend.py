@@ -25,7 +25,6 @@ import zmq
 
 from tokenbroker.common.protocol import (
     B_HEARTBEAT,
-    B_JOBS,
     B_LOAD,
     B_RESET,
     B_UNLOAD,
