@@ -105,9 +105,9 @@ cdef inline void h_update(Hash* h, const uchar* p, Py_ssize_t n) noexcept nogil:
             return
         _stripes(h, h.buf, 1)
         h.bn = 0
-    if n >= STRIPE:
-        p = _stripes(h, p, n // STRIPE)
-        n = n % STRIPE
+    if n >= STRIPE:  # whole stripes (a shift and a mask: STRIPE is 32, and no module's cdivision matters)
+        p = _stripes(h, p, n >> 5)
+        n &= STRIPE - 1
     if n > 0:
         memcpy(h.buf, p, n)
         h.bn = <int>n
