@@ -6,14 +6,16 @@
 #
 # Design (xxHash64's published layout, written here from its description): four 64-bit lanes take
 # the input in 32-byte stripes, lane i the stripe's word i, each by `acc = rotl(acc + w * P2, 31) *
-# P1`. The lanes never wait on each other, so a core runs four rounds at once and the hash keeps up
-# with memory (the previous hash, two lanes over every word, was one serial chain: about a byte per
-# cycle, the largest user-space cost of a large request's broker CPU). The round is a bijection of
-# the lane for a fixed word and of the word for a fixed lane, so two inputs of one length that differ
-# in a single word leave different lanes, whatever follows. A digest pads the unfinished stripe with
-# zeros, runs it through copies of the lanes (the state goes on: block digests are taken mid-stream),
-# mixes each lane with the SplitMix64 finalizer and folds the four, with the length, two ways into
-# 16 bytes; each fold is one lane's bijection plus the others', so a change in one lane changes both.
+# P1`. The lanes never wait on each other, so a core runs four rounds at once: about 14 GB/s, bound
+# by the multiplier (the hash before issue 38 ran two lanes over every word, one serial chain, at
+# 4.5 GB/s; it was the largest user-space cost of a 64 KB request's broker CPU; `scripts/bench_routing
+# --hash` runs both). The round is a bijection of the lane for a fixed word and of the word for a
+# fixed lane, so two inputs of one length that differ in a single word leave different lanes,
+# whatever follows. A digest runs the unfinished stripe, zero-padded, through copies of the lanes
+# (the state goes on: block digests are taken mid-stream) and folds the four lanes and the length
+# two ways, a xor of rotations and a sum of other rotations, each through the SplitMix64 finalizer,
+# into 16 bytes: either fold is one lane's bijection combined with the others', so a change in one
+# lane changes both halves.
 #
 # In a core: `from tokenbroker.broker._hash cimport Hash, h_init, h_update, h_digest, DIGEST`.
 
@@ -35,7 +37,7 @@ cdef struct Hash:
     u64 v2
     u64 v3
     u64 n       # bytes fed
-    uchar buf[STRIPE]  # the stripe not yet whole (bn bytes)
+    uchar buf[STRIPE]  # the stripe not yet whole: bn bytes, zeros after them (a digest's padding)
     int bn
 
 
@@ -68,6 +70,7 @@ cdef inline void h_init(Hash* h) noexcept nogil:
     h.v2 = 0xA4093822299F31D1ULL
     h.v3 = 0x082EFA98EC4E6C89ULL
     h.n = 0
+    memset(h.buf, 0, STRIPE)
     h.bn = 0
 
 
@@ -104,6 +107,7 @@ cdef inline void h_update(Hash* h, const uchar* p, Py_ssize_t n) noexcept nogil:
         if h.bn < STRIPE:
             return
         _stripes(h, h.buf, 1)
+        memset(h.buf, 0, STRIPE)
         h.bn = 0
     if n >= STRIPE:  # whole stripes (a shift and a mask: STRIPE is 32, and no module's cdivision matters)
         p = _stripes(h, p, n >> 5)
@@ -123,21 +127,14 @@ cdef inline void h_len(Hash* h, u64 n) noexcept nogil:
 cdef inline void h_digest(const Hash* h, uchar* out) noexcept nogil:
     """16 bytes of the state so far (the state itself goes on: a digest is a copy's). The unfinished
     stripe, zero-padded, goes through copies of the lanes; the length tells it from real zeros."""
-    cdef uchar last[STRIPE]
     cdef u64 v0 = h.v0, v1 = h.v1, v2 = h.v2, v3 = h.v3
-    cdef u64 m0, m1, m2, m3, d1, d2
+    cdef u64 d1, d2
     if h.bn > 0:
-        memset(last, 0, STRIPE)
-        memcpy(last, h.buf, h.bn)
-        v0 = _round(v0, _word(last))
-        v1 = _round(v1, _word(last + 8))
-        v2 = _round(v2, _word(last + 16))
-        v3 = _round(v3, _word(last + 24))
-    m0 = mix64(v0)
-    m1 = mix64(v1)
-    m2 = mix64(v2)
-    m3 = mix64(v3)
-    d1 = mix64(m0 ^ _rotl(m1, 16) ^ _rotl(m2, 32) ^ _rotl(m3, 48) ^ (h.n * 0x9FB21C651E98DF25ULL))
-    d2 = mix64(_rotl(m0, 23) + _rotl(m1, 47) + m2 + _rotl(m3, 7) + (h.n ^ 0xC13FA9A902A6328FULL))
+        v0 = _round(v0, _word(h.buf))
+        v1 = _round(v1, _word(h.buf + 8))
+        v2 = _round(v2, _word(h.buf + 16))
+        v3 = _round(v3, _word(h.buf + 24))
+    d1 = mix64(v0 ^ _rotl(v1, 16) ^ _rotl(v2, 32) ^ _rotl(v3, 48) ^ (h.n * 0x9FB21C651E98DF25ULL))
+    d2 = mix64(_rotl(v0, 23) + _rotl(v1, 47) + v2 + _rotl(v3, 7) + (h.n ^ 0xC13FA9A902A6328FULL))
     memcpy(out, &d1, 8)
     memcpy(out + 8, &d2, 8)
