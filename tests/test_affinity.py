@@ -226,10 +226,7 @@ def test_any_extension_keeps_the_full_blocks_of_its_prefix(prefix: str, suffix: 
     {"op": "count", "body": "y" * 1_200_000},
 ])
 def test_a_large_payload_read_in_place_equals_its_copy_and_routes_alike(body: dict[str, Any]) -> None:
-    from tokenbroker.broker.frontend import LARGE_PAYLOAD
-
-    raw = pack(body)
-    assert len(raw) >= LARGE_PAYLOAD
+    raw = pack(body)  # over 1 MiB: read through a buffer, as the drain lends every payload (libzmq's message)
     view = memoryview(raw)
     in_place = peek_request(view)
     copied = peek_request(raw)
