@@ -426,9 +426,9 @@ class Broker:
                 reports = [w.report for w in self.backend.workers.values()]
                 fields = {"models": self.catalog.describe(self.placement.replicas(), served_backends(reports))}
             elif peek.op == "add_model":
-                fields = self._add_model(add_model_spec(unpack(peek.body)))
+                fields = self._add_model(add_model_spec(unpack(memoryview(peek.body))))
             else:
-                fields = self._remove_model(req(unpack(peek.body), "name", str))
+                fields = self._remove_model(req(unpack(memoryview(peek.body)), "name", str))
         except ProtocolError as e:
             self.frontend.fail(envelope, peek.raw_id, e)
             self.metrics.request_done(peek.op, e.code, 0.0)
