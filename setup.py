@@ -34,6 +34,7 @@ CORES = [
     ("tokenbroker.broker._counters", "broker/_counters.pyx"),
     ("tokenbroker.broker._intake", "broker/_intake.pyx"),
     ("tokenbroker.broker._frontend", "broker/_frontend.pyx"),
+    ("tokenbroker.broker._plane", "broker/_plane.pyx"),
     ("tokenbroker.workers._core", "workers/_core.pyx"),
     ("tokenbroker.workers._round", "workers/_round.pyx"),
     ("tokenbroker.workers.cache._cache", "workers/cache/_cache.pyx"),

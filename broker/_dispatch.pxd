@@ -8,6 +8,7 @@ cdef class Dispatcher:
     cdef public Router router
     cdef public bint long_off_loop
     cdef public object eligible
+    cdef public dict holders            # Placement.holders_of (catalog model -> the workers that may take it), or None
     cdef public double spill_wait
     cdef public long long worker_bytes
     cdef public int lookahead

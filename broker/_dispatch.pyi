@@ -12,6 +12,7 @@ class Dispatcher:
     router: Router
     long_off_loop: bool
     eligible: Callable[..., frozenset[bytes] | None]
+    holders: dict[str, frozenset[bytes]] | None
     spill_wait: float
     worker_bytes: int
     lookahead: int
@@ -20,7 +21,8 @@ class Dispatcher:
     waiting: int
     demand: dict[str, int]
     def __init__(self, router: Router, *, spill_wait: float, worker_bytes: int, lookahead: int = 64,
-                 eligible: Callable[..., frozenset[bytes] | None] = ..., long_off_loop: bool = False,
+                 eligible: Callable[..., frozenset[bytes] | None] = ...,
+                 holders: dict[str, frozenset[bytes]] | None = None, long_off_loop: bool = False,
                  passed_over_max: int = 1024) -> None: ...
     def add_worker(self, wid: bytes, capacity: int) -> None: ...
     def drain_worker(self, wid: bytes) -> None: ...

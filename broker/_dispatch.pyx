@@ -10,6 +10,9 @@ from tokenbroker.broker._router cimport Router, Slots
 from tokenbroker.common.protocol import LANE_COUNT_BYTES as _LANE_COUNT_BYTES
 
 
+cdef frozenset _NOBODY = frozenset()
+
+
 def _unplaced(model, *, catalog):
     """With no placement (a dispatcher on its own): a catalog model has no holders, any other goes anywhere."""
     return frozenset() if catalog else None
@@ -20,11 +23,12 @@ cdef class Dispatcher:
 
 
     def __init__(self, Router router, *, double spill_wait, long long worker_bytes, int lookahead=64,
-                 eligible=_unplaced, bint long_off_loop=False, int passed_over_max=1024):
+                 eligible=_unplaced, dict holders=None, bint long_off_loop=False, int passed_over_max=1024):
         from collections import deque
         self.router = router
         self.long_off_loop = long_off_loop
         self.eligible = eligible
+        self.holders = holders
         self.spill_wait = spill_wait
         self.worker_bytes = worker_bytes
         self.lookahead = lookahead
@@ -240,7 +244,12 @@ cdef class Dispatcher:
     cdef object _allowed(self, Job job):
         """The workers that may take the job: those that serve its model (placement's answer: None,
         any); a long tokenize, only those not encoding one already."""
-        allowed = self.eligible(job.model, catalog=job.catalog)
+        if job.model is None:
+            allowed = None  # each worker's default (as `eligible` answers)
+        elif job.catalog and self.holders is not None:
+            allowed = self.holders.get(job.model, _NOBODY)  # `eligible`'s answer, read with no Python call
+        else:
+            allowed = self.eligible(job.model, catalog=job.catalog)
         if not job.off_loop:
             return allowed
         free = frozenset([wid for wid, slots in self.workers.items() if not (<Slots>slots).long_jobs])

@@ -32,6 +32,7 @@ from ._dispatch import Dispatcher
 from ._frontend import Drain
 from ._intake import Intake
 from ._jobs import Job, JobTable
+from ._plane import WAKE, Plane
 from ._router import Router
 from .frontend import Frontend, Peek, Peer
 from .metrics import LATENCY_BUCKETS, PoolMetrics
@@ -90,6 +91,7 @@ class Broker:
         caches = config.models.cache
         self.dispatcher = Dispatcher(self.router, spill_wait=config.spill_wait_ms / 1000,
                                      worker_bytes=config.worker_max_bytes, eligible=self.placement.eligible,
+                                     holders=self.placement.holders_of,
                                      long_off_loop=not (caches.l0_enabled or caches.l1_enabled))
         self.removing: set[str] = set()  # models removed whose queued jobs are still being served
         self.next_plan = 0.0
@@ -155,7 +157,6 @@ class Broker:
 
     def run(self) -> None:
         """Serve until a stop signal; should the loop itself ever fail, answer every held request first."""
-        self.poller.register(self.frontend.sock, zmq.POLLIN)
         try:
             self._serve()
         except Exception:
@@ -167,44 +168,31 @@ class Broker:
         self.frontend.flush(())
 
     def _serve(self) -> None:
-        """One turn: wait for input, drain both sockets, run the timers, send each connection the
-        turn's replies. (zmq_poll called directly: zmq.Poller wraps it in Python.)"""
-        front, back, wake = self.frontend.sock, self.backend.sock, self.wakeup.fileno()
-        items: list[tuple[Any, int]] = [(back, zmq.POLLIN), (wake, zmq.POLLIN), (front, zmq.POLLIN)]
-        poll = zmq.zmq_poll
+        """The data plane's turns run compiled (broker/_plane.pyx `Plane.run`); it comes back here
+        for control only: a signal (WAKE), or a timer of the control plane due (TIMER: a reap, a
+        heartbeat, placement, a metrics publication). Then `tick` runs them, and the turns go on."""
+        plane = Plane(self.frontend.sock, self.backend.sock, self.wakeup.fileno(), self, self.jobs, self.dispatcher,
+                      self.frontend, self.frontend.outbox)
         gc.freeze()  # what start-up built is never garbage: the collector stops walking it
         gc.set_threshold(10_000, 20, 20)  # a turn allocates thousands of short-lived objects, none cyclic
         while True:
+            stopping = self.stopping_since is not None
+            why = plane.run(self._python_at(), self.next_plan, stopping or bool(self.removing))
             now = time.monotonic()
-            ready = [s for s, _ in poll(items, self._timeout_ms(now))]
-            now = time.monotonic()
-            if wake in ready:
+            if why == WAKE:
                 self.next_reap = 0.0  # SIGCHLD among them, maybe
                 if self._stop_requested() and self.stopping_since is None:
                     log.info("stopping: answering the %d requests held", len(self.jobs))
                     self.stopping_since = now
                     self.intake.stopping = True  # every new request is refused from now on
-            if back in ready:
-                self._on_backend(now)
-            if front in ready:
-                self._on_frontend(now)
             self.tick(now)
             self.frontend.flush(self.jobs.per_client)
             if self.stopping_since is not None and (not self.jobs or now - self.stopping_since > SHUTDOWN_GRACE_S):
                 return
 
-    def _timeout_ms(self, now: float) -> int:
-        """Until the next timer that can change something: a heartbeat, a deadline or a spill."""
-        nearest = self.backend.next_beat
-        deadline = self.jobs.nearest_deadline()
-        if deadline is not None:
-            nearest = min(nearest, deadline)
-        spill = self.dispatcher.next_timer(now)
-        if spill is not None:
-            nearest = min(nearest, spill)
-        if self.dispatcher.demand:  # placement looks again while requests wait (a residency ends, a replica is due)
-            nearest = min(nearest, self.next_plan)
-        return max(0, min(1000, int((nearest - now) * 1000) + 1))
+    def _python_at(self) -> float:
+        """When the control plane's next timer is due: a reap, a heartbeat, a metrics publication."""
+        return min(self.next_reap, self.backend.next_beat, self.next_publish)
 
     def _stop_requested(self) -> bool:
         try:
@@ -452,6 +440,7 @@ class Broker:
         entry.removing = True
         self.intake.models.clear()  # the name resolves to nothing from now on
         self.removing.add(name)
+        self.replan = True  # the removal is placement's to carry out (`_place`), at once
         log.info("remove_model %s: its queued requests are served where a worker holds it, then it goes", name)
         return {"removed": True}
 

@@ -103,7 +103,9 @@ class Placement:
         self._tokenizers: dict[str, str] = {}  # model -> its tokenizer's fingerprint (one engine per tokenizer)
         self.workers: dict[bytes, Holding] = {}
         self._held_by: dict[str, frozenset[bytes]] = {}  # model -> the workers holding it (not draining)
-        self._holders: dict[str, frozenset[bytes]] = {}  # the same, less the loading ones while others are not
+        # The same, less the loading ones while others are not. Edited in place, never replaced: the
+        # dispatcher reads it per job (broker/_dispatch.pyx `holders`), as `eligible` would answer.
+        self.holders_of: dict[str, frozenset[bytes]] = {}
         self._starved_since: dict[str, float] = {}
         self._overloaded_since: dict[bytes, float] = {}
         self._names = _NameIndex()
@@ -196,13 +198,13 @@ class Placement:
         if model is None:
             return None  # each worker's default
         if catalog:
-            return self._holders.get(model, _NOBODY)
+            return self.holders_of.get(model, _NOBODY)
         return self._names.eligible(model)
 
     def holders(self, model: str) -> frozenset[bytes]:
         """The workers that may take a job of catalog model `model` now: those that hold it and take jobs, less the ones loading while another holder is not. Empty exactly
         when no worker holds it."""
-        return self._holders.get(model, frozenset())
+        return self.holders_of.get(model, frozenset())
 
     def held_by(self, model: str) -> frozenset[bytes]:
         """Every worker that holds `model` loaded and takes jobs (what replicas are counted on)."""
@@ -431,10 +433,10 @@ class Placement:
         found = frozenset(wid for wid, h in self.workers.items() if model in h.held and not h.draining)
         if found:
             self._held_by[model] = found
-            self._holders[model] = frozenset(w for w in found if not self.workers[w].loading) or found
+            self.holders_of[model] = frozenset(w for w in found if not self.workers[w].loading) or found
         else:
             self._held_by.pop(model, None)
-            self._holders.pop(model, None)
+            self.holders_of.pop(model, None)
 
     def _index_worker(self, wid: bytes) -> None:
         """Its loads started or ended: whether it takes its models' jobs changed."""

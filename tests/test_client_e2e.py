@@ -8,6 +8,7 @@ helpers' `Conn`, a DEALER speaking the protocol by hand. Waits poll a condition 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import signal
@@ -337,6 +338,8 @@ def test_a_deadline_the_broker_cannot_meet_fails_the_call_and_nothing_stays_pend
         if sync:
             with tb.Client(b.endpoint) as client:
                 slow = client.submit(client.aio.tokenize("word " * 1_000_000, timeout=120))  # holds the only worker
+                with pytest.raises(concurrent.futures.TimeoutError):  # a Future's own timeout, as concurrent.futures says
+                    slow.result(timeout=0.01)
                 with pytest.raises((tb.Timeout, tb.Unavailable)) as info:
                     client.tokenize("queued behind it", timeout=0.001)  # sent with it, in one frame
                 assert info.value.code in ("timeout", "unavailable")

@@ -25,9 +25,9 @@ TEXTS = ["hello <|user|> world", "", "  spaces  and <|end|> ends", "ünïcödé 
 @pytest.fixture
 def verdicts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv(engine.ENGINE_CACHE_ENV, str(tmp_path))
-    engine._engine_limit.cache_clear()
+    engine.engine_limit.cache_clear()
     yield tmp_path
-    engine._engine_limit.cache_clear()
+    engine.engine_limit.cache_clear()
 
 
 def test_the_alternation_probe_finds_where_a_thread_stops_keeping_up() -> None:
@@ -41,7 +41,7 @@ def test_the_limit_is_measured_once_then_read_back_from_disk(verdicts: Path) -> 
     first = engine.engine_limit()
     kept = read_verdict("limit")
     assert kept is not None and kept["limit"] == first
-    engine._engine_limit.cache_clear()
+    engine.engine_limit.cache_clear()
     write_verdict("limit", {"limit": 2})  # what a later start reads instead of probing again
     assert engine.engine_limit() == 2
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -87,7 +86,6 @@ class Lane:
         self._running: _Running | None = None
         self.wedged = 0  # threads given up on that are still inside their call
         self.replaced = 0  # threads given up on, ever
-        sys.setswitchinterval(LANE_SWITCH_S)  # see LANE_SWITCH_S
         self._start()
 
     def _start(self) -> None:

@@ -96,19 +96,18 @@ class FastEngine:
         text never holds one: `in` answers without a scan."""
         return any(c in text for c in self.guard)
 
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on this engine's thread: the calling one, or its `home` (EnginePlan)."""
+        home = self.home
+        return fn(*args) if home is None else home.call(fn, *args)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.guard and self.guarded(text):
             return self.reference.encode(text, add_special_tokens=add_special_tokens)
-        home = self.home
-        if home is not None:
-            return home.call(self.raw.encode, text, add_special_tokens).ids
-        return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._call(self.raw.encode, text, add_special_tokens).ids
 
     def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        home = self.home
-        batch = (self.raw.encode_batch(texts, add_special_tokens=add_special_tokens) if home is None
-                 else home.call(self.raw.encode_batch, texts, add_special_tokens))
-        out = [e.ids for e in batch]
+        out = [e.ids for e in self._call(self.raw.encode_batch, texts, add_special_tokens)]
         if self.guard:
             for i, text in enumerate(texts):
                 if self.guarded(text):
@@ -126,9 +125,7 @@ class FastEngine:
         (text i's are ids ends[i]:ends[i + 1], ends little-endian uint64s): the engine's own two
         buffers, which the worker's replies are written from (workers/_core.pyx pack_tokens)
         without a copy per text or a Python int per id. A guarded text's ids are the reference's."""
-        home = self.home
-        flat, offsets = (self.raw.encode_batch_flat(texts, add_special_tokens=add_special_tokens) if home is None
-                         else home.call(self.raw.encode_batch_flat, texts, add_special_tokens))
+        flat, offsets = self._call(self.raw.encode_batch_flat, texts, add_special_tokens)
         if self.guard and any(self.guarded(t) for t in texts):
             return self._splice(texts, flat, offsets, add_special_tokens)
         return flat, offsets
@@ -153,8 +150,7 @@ class FastEngine:
     def encode_ordinary(self, text: str) -> list[int]:
         if self.guard and self.guarded(text):
             return self.reference.encode_ordinary(text)
-        home = self.home
-        return (self.raw.encode_ordinary(text) if home is None else home.call(self.raw.encode_ordinary, text)).ids
+        return self._call(self.raw.encode_ordinary, text).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str | None:
         """The text of `ids`, or None when the reference decodes it: always for tiktoken (faster),
@@ -165,10 +161,7 @@ class FastEngine:
             low, high = min(ids), max(ids)
             if low < 0 or high >= self.vocab_size or (self.unassigned and not self.unassigned.isdisjoint(ids)):
                 check_ids(ids, self.vocab_size, self.unassigned)  # raises InvalidTokenId
-        home = self.home
-        if home is not None:
-            return home.call(self.raw.decode, ids, skip_special_tokens)
-        return self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._call(self.raw.decode, ids, skip_special_tokens)
 
 
 def _ends(offsets: bytes) -> array:
@@ -533,14 +526,10 @@ def choose(tok: Tokenizer, mode: str, *, name: str = "") -> Tokenizer:
 ENGINE_CACHE_ENV = "TOKENBROKER_ENGINE_CACHE"
 
 
+@functools.cache
 def engine_version() -> str:
     """What a verdict depends on besides the tokenizer: fastokens', the reference libraries' and
     this module's versions (the battery and the limit probe live here: an edit re-runs them)."""
-    return _engine_version()
-
-
-@functools.cache
-def _engine_version() -> str:
     versions = []
     for dist in ("fastokens", "tokenizers", "tiktoken"):
         try:
@@ -642,14 +631,10 @@ def measure_limit(most: int = LIMIT_PROBE_MAX) -> tuple[int, list[float]]:
     return most, seconds
 
 
+@functools.cache
 def engine_limit() -> int:
     """How many fast engines one thread serves before fastokens' per-thread state thrashes: measured
     once per engine version (measure_limit, ~0.3 s), kept on disk, read back at every later start."""
-    return _engine_limit()
-
-
-@functools.cache
-def _engine_limit() -> int:
     try:
         import fastokens  # noqa: F401
     except ImportError:

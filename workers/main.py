@@ -76,7 +76,7 @@ from tokenbroker.common.protocol import (
 )
 
 from ._round import Round
-from .background import Lane
+from .background import LANE_SWITCH_S, Lane
 from .config import WorkerConfig
 from .join import BrokerUnreachable, join
 from .loader import Loader, ModelInstaller
@@ -134,6 +134,7 @@ class Worker:
         self.registry = registry
         self.loader = Loader(config.models.cache)
         # jinja2 chats render, and long texts and large counts encode, while the rounds go on (workers/background.py).
+        sys.setswitchinterval(LANE_SWITCH_S)  # a process setting, for the lanes (workers/background.py LANE_SWITCH_S)
         self.lanes = (Lane("render"), Lane("encode"))
         ops.renders, ops.encodes = self.lanes
         self.installer = ModelInstaller(registry, self.loader, config.models.max_models)

@@ -119,9 +119,10 @@ class Turns:
 
     # --- running ----------------------------------------------------------------------------
 
-    def run_until(self, done: Callable[[], bool]) -> None:
-        """Run turns until `done()`: the callbacks made so far, then a wait on the sockets no longer
-        than the next timer, then what is readable, then the timers due."""
+    def run_until(self, done: Callable[[], bool], deadline: float | None = None) -> None:
+        """Run turns until `done()` (or the monotonic `deadline` passes): the callbacks made so far,
+        then a wait on the sockets no longer than the next timer, then what is readable, then the
+        timers due."""
         soon, timers = self._soon, self._timers
         while True:
             while soon:
@@ -133,10 +134,12 @@ class Turns:
                 return
             while timers and timers[0].cancelled:
                 heapq.heappop(timers)
-            if timers:
-                wait_ms = max(0, int((timers[0].when - time.monotonic()) * 1000) + 1)
-            else:
-                wait_ms = -1
+            wake = timers[0].when if timers else None
+            if deadline is not None:
+                if time.monotonic() >= deadline:
+                    return
+                wake = deadline if wake is None else min(wake, deadline)
+            wait_ms = -1 if wake is None else max(0, int((wake - time.monotonic()) * 1000) + 1)
             readers = self._readers
             for fd, _ in self._poll.poll(wait_ms):
                 reader = readers.get(fd)
@@ -229,14 +232,30 @@ class Started(concurrent.futures.Future[T]):
         self._turns = turns
 
     def result(self, timeout: float | None = None) -> T:
-        with self._turns.lock:
-            self._turns.run_until(self.done)
-        return super().result(timeout)
+        """As `concurrent.futures.Future.result`: TimeoutError when not done within `timeout`."""
+        self._wait(timeout)
+        return super().result(None if timeout is None else 0)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        with self._turns.lock:
-            self._turns.run_until(self.done)
-        return super().exception(timeout)
+        self._wait(timeout)
+        return super().exception(None if timeout is None else 0)
+
+    def _wait(self, timeout: float | None) -> None:
+        """Run the turns that bring this outcome, for at most `timeout` seconds (the turns' lock
+        included: another thread running them may be the one that settles it)."""
+        if self.done():
+            return
+        if timeout is None:
+            with self._turns.lock:
+                self._turns.run_until(self.done)
+            return
+        deadline = time.monotonic() + max(0.0, timeout)
+        if not self._turns.lock.acquire(timeout=max(0.0, timeout)):
+            return
+        try:
+            self._turns.run_until(self.done, deadline)
+        finally:
+            self._turns.lock.release()
 
 
 class BlockingCore(Core):

@@ -1,0 +1,17 @@
+# The broker's turns (broker/_plane.pyx): the poll and each turn's verbs, run in C until Python's
+# control plane is needed.
+
+from tokenbroker.broker._dispatch cimport Dispatcher
+from tokenbroker.broker._jobs cimport JobTable
+from tokenbroker.common._zmq cimport zmq_pollitem_t
+
+
+cdef class Plane:
+    cdef zmq_pollitem_t items[3]     # backend, wake-up descriptor, frontend
+    cdef object broker               # broker/loop.py Broker: the verbs of a turn
+    cdef JobTable jobs
+    cdef Dispatcher dispatcher
+    cdef dict outbox                 # the frontend's replies of this turn (sent by its flush)
+    cdef object frontend
+    cdef public long long turns      # turns run, for the tests and the benches
+    cdef public long long returns    # times control went back to Python
