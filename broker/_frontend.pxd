@@ -17,5 +17,6 @@ cdef class Drain:
     cdef set arrays                     # the Frontend's connections that speak arrays
     cdef object misframed, too_large, fail   # the Frontend's answers to the rare cases
     cdef object envelope                # the last message's Envelope, reused while its connection sends
+    cpdef Py_ssize_t drain(self, double now, Py_ssize_t messages, Py_ssize_t budget) except -1
     cdef Py_ssize_t _message(self, void* handle, zmq_msg_t* identity, double now) except -1
     cdef object _envelope(self, zmq_msg_t* identity, bint delimited)

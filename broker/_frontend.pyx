@@ -69,9 +69,8 @@ cdef inline Message _receive(void* handle):
 
 
 cdef class Drain:
-    """The frontend ROUTER's reader: `drain(now, messages, budget)` takes every message waiting, up to
-    `messages` messages and `budget` payload bytes, into the intake (`Intake.take`, C to C), and
-    returns how many it read."""
+    """The frontend ROUTER's reader, one `drain` a turn (cpdef: the compiled turns may call it C to
+    C), each message into the intake (`Intake.take`, C to C)."""
 
     def __init__(self, frontend, Intake intake):
         """`frontend`: broker/frontend.py `Frontend` (its socket, its limit, whether to tell the peer,
@@ -86,7 +85,9 @@ cdef class Drain:
         self.fail = frontend.fail
         self.envelope = None
 
-    def drain(self, double now, Py_ssize_t messages, Py_ssize_t budget) -> int:
+    cpdef Py_ssize_t drain(self, double now, Py_ssize_t messages, Py_ssize_t budget) except -1:
+        """Read and admit every message waiting, up to `messages` messages and `budget` payload
+        bytes (a turn's bounds, so the backend is never starved); how many it read."""
         cdef void* handle = handle_of(self.sock)
         cdef Py_ssize_t taken = 0
         cdef zmq_msg_t identity
