@@ -260,8 +260,10 @@ def test_a_hot_conversation_walks_under_steady_overload_but_never_flaps() -> Non
     assert len(runs) > 2, "the hot key never left a worker it overloads"
     assert min(len(run) for run in runs[:-1]) >= 2, "the hot key moved after a single job"
     visits = [run[0] for run in runs]
+    # So it goes round at least three workers; three or all four, the key's rendezvous order decides
+    # (its hash's luck, not pinned: under the route key's hash before issue 38, "hot" took all four
+    # and "hot2" three).
     assert all(a != c for a, c in zip(visits, visits[2:])), f"the hot key went back and forth: {visits}"
-    assert set(path) == set(WORKERS)
 
 
 def _runs(path: list[bytes]):
