@@ -212,7 +212,7 @@ def test_any_extension_keeps_the_full_blocks_of_its_prefix(prefix: str, suffix: 
     assert tokenize_key(prefix + suffix).blocks[:shared] == tokenize_key(prefix).blocks[:shared]
 
 
-# --- large payloads, read in place over ZeroMQ's buffer (Frontend.receive hands a view) -------
+# --- large payloads, read in place over ZeroMQ's buffer (the drain lends libzmq's message) --------
 
 
 @pytest.mark.parametrize("body", [
