@@ -59,11 +59,21 @@ cdef object _property(Message message, const char* name):
     return None if value is NULL else value.decode("utf-8", "replace")
 
 
+cdef inline int _next_frame(zmq_msg_t* msg, void* handle) except -1:
+    """The next frame of a message whose first frame has come (libzmq delivers a message whole),
+    again when a signal interrupts the call: a message is never left half read."""
+    cdef int err
+    while zmq_msg_recv(msg, handle, ZMQ_DONTWAIT) < 0:
+        err = zmq_errno()
+        if err != EINTR:
+            raise OSError(err, f"zmq_msg_recv: {zmq_error(err)}")
+    return 0
+
+
 cdef inline Message _receive(void* handle):
-    """The next frame of a message whose first frame has come (libzmq delivers a message whole)."""
+    """The next frame, held as libzmq filled it."""
     cdef Message frame = Message.__new__(Message)
-    if zmq_msg_recv(&frame.msg, handle, ZMQ_DONTWAIT) < 0:
-        raise OSError(zmq_errno(), f"zmq_msg_recv: {zmq_error(zmq_errno())}")
+    _next_frame(&frame.msg, handle)
     frame.fill()
     return frame
 
@@ -112,7 +122,7 @@ cdef class Drain:
         cdef Message first, payload
         cdef Py_ssize_t frames = 1
         cdef bint delimited = False
-        cdef int err, more
+        cdef int more
         cdef zmq_msg_t rest
         if not zmq_msg_more(identity):  # a ROUTER hands on at least one frame past the identity
             envelope = self._envelope(identity, False)
@@ -123,16 +133,15 @@ cdef class Drain:
             payload = _receive(handle)
             frames = 2
             delimited = first.size == 0
-            while zmq_msg_more(&payload.msg):  # more frames than a request has: read to the end, then refused
+            more = zmq_msg_more(&payload.msg)
+            while more:  # more frames than a request has: read to the end, then refused
                 zmq_msg_init(&rest)
-                err = zmq_msg_recv(&rest, handle, ZMQ_DONTWAIT)
-                more = zmq_msg_more(&rest)
-                zmq_msg_close(&rest)
-                if err < 0:
-                    raise OSError(zmq_errno(), f"zmq_msg_recv: {zmq_error(zmq_errno())}")
+                try:
+                    _next_frame(&rest, handle)
+                    more = zmq_msg_more(&rest)
+                finally:
+                    zmq_msg_close(&rest)
                 frames += 1
-                if not more:
-                    break
         envelope = self._envelope(identity, delimited)
         peer = None
         if self.tell_peer:
