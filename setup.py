@@ -35,6 +35,7 @@ CORES = [
     ("tokenbroker.broker._buffers", "broker/_buffers.pyx"),
     ("tokenbroker.broker._outbox", "broker/_outbox.pyx"),
     ("tokenbroker.broker._intake", "broker/_intake.pyx"),
+    ("tokenbroker.broker._frontend", "broker/_frontend.pyx"),
     ("tokenbroker.broker._plane", "broker/_plane.pyx"),
     ("tokenbroker.workers._core", "workers/_core.pyx"),
     ("tokenbroker.workers._round", "workers/_round.pyx"),

@@ -17,6 +17,7 @@ cdef class Intake:
     cdef dict outbox, requests, latency, model_requests
     cdef tuple bounds
     cdef object other, late
+    cpdef Py_ssize_t take(self, envelope, peer, item, double now) except -1
     cdef Py_ssize_t _one(self, envelope, peer, item, double now) except -1
     cdef bint _fast(self, envelope, Peek peek, Py_ssize_t size, double now) except -1
     cpdef object refusal(self, bytes client, Py_ssize_t size)

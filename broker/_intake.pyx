@@ -66,10 +66,10 @@ cdef class Intake:
 
     # --- requests
 
-    def take(self, envelope, peer, item, double now) -> int:
-        """One client message (broker/frontend.py `Frontend.receive`): `item` a Peek, an array's
+    cpdef Py_ssize_t take(self, envelope, peer, item, double now) except -1:
+        """One client message (broker/_frontend.pyx `Drain` reads it): `item` a Peek, an array's
         Peeks (`peek_array`: the refused ones go to `other`), or None for a message the frontend
-        answered itself. Returns the payload bytes of its requests (the loop bounds a turn by them)."""
+        answered itself. Returns the payload bytes of its requests (the drain bounds a turn by them)."""
         cdef Py_ssize_t total = 0
         if type(item) is list:
             for x in <list>item:  # the array's refused requests are answered first, as they were read

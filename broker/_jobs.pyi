@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tokenbroker.broker._peek import Peek
+from tokenbroker.common._message import Message
 from tokenbroker.broker._routekey import RouteKey
 from tokenbroker.common.protocol import Envelope
 
@@ -10,7 +11,7 @@ class Job:
     job_id: int
     envelope: Envelope
     raw_id: bytes
-    raw: bytes | memoryview
+    raw: bytes | memoryview | Message  # the payload as the frontend received it, or a view of it
     op: str
     route: RouteKey | None
     received: float
@@ -22,7 +23,7 @@ class Job:
     model: str | None
     catalog: bool
     off_loop: bool
-    def __init__(self, job_id: int, envelope: Envelope, raw_id: bytes, raw: bytes | memoryview, op: str,
+    def __init__(self, job_id: int, envelope: Envelope, raw_id: bytes, raw: bytes | memoryview | Message, op: str,
                  route: RouteKey | None, received: float, deadline: float, queued: float, attempts: int = 0,
                  worker: bytes | None = None, answered: bool = False, model: str | None = None,
                  catalog: bool = False, off_loop: bool = False) -> None: ...

@@ -34,3 +34,7 @@ cdef class Peek:
     cdef public str message
     cdef Py_ssize_t s[NFIELDS]   # where each field's value starts in raw (-1: absent)
     cdef Py_ssize_t e[NFIELDS]   # and ends
+
+
+cpdef Peek peek_request(object raw)   # one request map (the ProtocolError that answers it otherwise)
+cpdef list peek_array(object raw)     # an array frame's requests, each a Peek

@@ -441,7 +441,7 @@ cdef inline void _unread(Peek out, object raw, bytes raw_id, str message):
 
 # --- frames ------------------------------------------------------------------------------
 
-def peek_request(raw) -> Peek:
+cpdef Peek peek_request(object raw):
     """Read a payload frame that holds one request map (bytes, or a view of ZeroMQ's buffer: read
     in place, never copied); the ProtocolError that answers it otherwise."""
     cdef Py_buffer buf
@@ -453,7 +453,7 @@ def peek_request(raw) -> Peek:
         p = <const uchar*>buf.buf
         end = buf.len
         if end == 0 or not is_map_head(p[0]):
-            raise ProtocolError("bad_request", f"payload must be a map, got {first_type(raw[:9])}", NIL)
+            raise ProtocolError("bad_request", f"payload must be a map, got {first_type(memoryview(raw)[:9])}", NIL)
         out = Peek.__new__(Peek)
         stop = _walk(p, 0, end, out)
         if stop < 0:
@@ -469,7 +469,7 @@ def peek_request(raw) -> Peek:
     return out
 
 
-def peek_array(raw) -> list:
+cpdef list peek_array(object raw):
     """The requests of a frame that is an array (contract 1.2, "Several requests in one frame"), in
     one bounded pass: each element a Peek, its `body` a view of the frame, or with `code` set when
     the broker refuses it (contract 1.4: that element alone). Raises ProtocolError (id nil) when the
@@ -511,7 +511,7 @@ def peek_array(raw) -> list:
                 stop = _walk(p, start, end, peek)
                 peek.raw = raw
             else:
-                _unread(peek, raw, NIL, f"request [{i}] of the array must be a map, got {first_type(raw[start:start + 9])}")
+                _unread(peek, raw, NIL, f"request [{i}] of the array must be a map, got {first_type(view[start:start + 9])}")
                 stop = skip_any(p, end, start)
             if stop < 0:
                 raise ProtocolError("bad_request", f"payload is not valid MessagePack from byte {start}: "

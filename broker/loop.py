@@ -29,6 +29,7 @@ from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, Work
 from .catalog import FAILED, LOADING, WORKER, Catalog, Entry, add_model_spec, served_backends
 from .config import BrokerConfig
 from ._dispatch import Dispatcher
+from ._frontend import Drain
 from ._intake import Intake
 from ._jobs import Job, JobTable
 from ._plane import WAKE, Plane
@@ -102,6 +103,7 @@ class Broker:
                              affinity=config.routing == "affinity", timeout_s=config.request_timeout_ms / 1000,
                              max_pending=config.max_pending, max_pending_bytes=config.max_pending_bytes,
                              max_client_pending=config.max_client_pending)
+        self.drain = Drain(frontend, self.intake)  # the frontend's messages, into the intake
         self.replan = True  # placement has something new to look at
         self.stopping_since: float | None = None
         self.next_publish = 0.0
@@ -204,17 +206,10 @@ class Broker:
     # --- frontend ----------------------------------------------------------------------
 
     def _on_frontend(self, now: float) -> None:
-        """Drain the frontend (up to a turn's bounds): one compiled call per message admits,
-        routes and deadlines each of its requests, alone or one of an array (`Intake.take`)."""
-        budget = FRONTEND_BATCH_BYTES
-        receive, take = self.frontend.receive, self.intake.take
-        for _ in range(FRONTEND_BATCH):
-            if budget <= 0:
-                return
-            got = receive()
-            if got is None:
-                return
-            budget -= take(*got, now)
+        """Drain the frontend (up to a turn's bounds) in one compiled call: each message received
+        from libzmq, read in place, and its requests admitted, routed and deadlined, alone or one
+        of an array (broker/_frontend.pyx `Drain`, into `Intake.take`)."""
+        self.drain.drain(now, FRONTEND_BATCH, FRONTEND_BATCH_BYTES)
 
     def _on_request(self, envelope: Envelope, peer: Peer | None, peek: Peek | None, now: float) -> None:
         """A request the intake leaves to Python: None (answered by the frontend already), a
@@ -415,9 +410,9 @@ class Broker:
                 reports = [w.report for w in self.backend.workers.values()]
                 fields = {"models": self.catalog.describe(self.placement.replicas(), served_backends(reports))}
             elif peek.op == "add_model":
-                fields = self._add_model(add_model_spec(unpack(peek.body)))
+                fields = self._add_model(add_model_spec(unpack(memoryview(peek.body))))
             else:
-                fields = self._remove_model(req(unpack(peek.body), "name", str))
+                fields = self._remove_model(req(unpack(memoryview(peek.body)), "name", str))
         except ProtocolError as e:
             self.frontend.fail(envelope, peek.raw_id, e)
             self.metrics.request_done(peek.op, e.code, 0.0)
