@@ -200,11 +200,16 @@ cdef inline bytes _bytes(zmq_msg_t* frame):
 
 
 cdef int _next(void* s, zmq_msg_t* frame) except -1:
-    """The message's next frame into `frame` (which may hold the one before)."""
+    """The message's next frame into `frame` (which may hold the one before): it is there once the
+    message's first is, and received again when a signal interrupts the call, so a message is
+    never left half read."""
+    cdef int err
     zmq_msg_close(frame)
     zmq_msg_init(frame)
-    if zmq_msg_recv(frame, s, 0) < 0:
-        raise ZMQError(zmq_errno(), zmq_error(zmq_errno()))
+    while zmq_msg_recv(frame, s, 0) < 0:
+        err = zmq_errno()
+        if err != EINTR:
+            raise ZMQError(err, zmq_error(err))
     return 0
 
 
