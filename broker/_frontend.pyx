@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """The frontend's intake, compiled: a turn's client messages received straight from libzmq, read in
-place and admitted, in one call per loop turn (broker/loop.py `_on_frontend`).
+place and admitted, in one call per loop turn (broker/_plane.pyx, the compiled turns).
 
 Why: through pyzmq each message cost Python calls per frame, a Frame object, and a copy of its
 payload into bytes (a 256 KB array of 4 KB texts copied whole; malloc and page faults were a fifth of

@@ -2,13 +2,16 @@
 # control plane is needed.
 
 from tokenbroker.broker._dispatch cimport Dispatcher
+from tokenbroker.broker._frontend cimport Drain
 from tokenbroker.broker._jobs cimport JobTable
 from tokenbroker.common._zmq cimport zmq_pollitem_t
 
 
 cdef class Plane:
     cdef zmq_pollitem_t items[3]     # backend, wake-up descriptor, frontend
-    cdef object broker               # broker/loop.py Broker: the verbs of a turn
+    cdef object broker               # broker/loop.py Broker: the verbs of a turn not compiled yet
+    cdef Drain front_drain           # the frontend's intake (broker/_frontend.pyx)
+    cdef Py_ssize_t front_messages, front_bytes   # a turn's bounds on it
     cdef JobTable jobs
     cdef Dispatcher dispatcher
     cdef dict outbox                 # the frontend's replies of this turn (sent by its flush)

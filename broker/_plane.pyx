@@ -21,6 +21,7 @@ already does its per-message work in the compiled cores.
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from tokenbroker.broker._dispatch cimport Dispatcher
+from tokenbroker.broker._frontend cimport Drain
 from tokenbroker.broker._jobs cimport JobTable
 from tokenbroker.common._zmq cimport EINTR, ZMQ_POLLIN, handle_of, load_libzmq, zmq_errno, zmq_error, zmq_poll
 
@@ -45,7 +46,8 @@ cdef inline double _now() noexcept nogil:
 cdef class Plane:
     """The turns of one broker (broker/loop.py `Broker._serve`)."""
 
-    def __init__(self, front, back, int wake_fd, broker, JobTable jobs, Dispatcher dispatcher, frontend, dict outbox):
+    def __init__(self, front, back, int wake_fd, broker, JobTable jobs, Dispatcher dispatcher, frontend, dict outbox,
+                 Drain front_drain, Py_ssize_t front_messages, Py_ssize_t front_bytes):
         self.items[BACK].socket = handle_of(back)
         self.items[BACK].fd = 0
         self.items[BACK].events = ZMQ_POLLIN
@@ -56,6 +58,9 @@ cdef class Plane:
         self.items[FRONT].fd = 0
         self.items[FRONT].events = ZMQ_POLLIN
         self.broker = broker
+        self.front_drain = front_drain
+        self.front_messages = front_messages
+        self.front_bytes = front_bytes
         self.jobs = jobs
         self.dispatcher = dispatcher
         self.frontend = frontend
@@ -103,7 +108,7 @@ cdef class Plane:
             if self.items[BACK].revents:
                 broker._on_backend(now)
             if self.items[FRONT].revents:
-                broker._on_frontend(now)
+                self.front_drain.drain(now, self.front_messages, self.front_bytes)
             if jobs._deadlines and (<tuple>jobs._deadlines[0])[0] <= now:
                 broker._expire(now)
             if dispatcher._free > 0 and dispatcher.waiting:

@@ -172,7 +172,7 @@ class Broker:
         for control only: a signal (WAKE), or a timer of the control plane due (TIMER: a reap, a
         heartbeat, placement, a metrics publication). Then `tick` runs them, and the turns go on."""
         plane = Plane(self.frontend.sock, self.backend.sock, self.wakeup.fileno(), self, self.jobs, self.dispatcher,
-                      self.frontend, self.frontend.outbox)
+                      self.frontend, self.frontend.outbox, self.drain, FRONTEND_BATCH, FRONTEND_BATCH_BYTES)
         gc.freeze()  # what start-up built is never garbage: the collector stops walking it
         gc.set_threshold(10_000, 20, 20)  # a turn allocates thousands of short-lived objects, none cyclic
         while True:
@@ -204,12 +204,6 @@ class Broker:
         return any(b in data for b in STOP_SIGNALS)
 
     # --- frontend ----------------------------------------------------------------------
-
-    def _on_frontend(self, now: float) -> None:
-        """Drain the frontend (up to a turn's bounds) in one compiled call: each message received
-        from libzmq, read in place, and its requests admitted, routed and deadlined, alone or one
-        of an array (broker/_frontend.pyx `Drain`, into `Intake.take`)."""
-        self.drain.drain(now, FRONTEND_BATCH, FRONTEND_BATCH_BYTES)
 
     def _on_request(self, envelope: Envelope, peer: Peer | None, peek: Peek | None, now: float) -> None:
         """A request the intake leaves to Python: None (answered by the frontend already), a
