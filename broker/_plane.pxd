@@ -3,6 +3,7 @@
 
 from tokenbroker.broker._dispatch cimport Dispatcher
 from tokenbroker.broker._frontend cimport Drain
+from tokenbroker.broker._intake cimport Intake
 from tokenbroker.broker._jobs cimport JobTable
 from tokenbroker.common._zmq cimport zmq_pollitem_t
 
@@ -12,9 +13,17 @@ cdef class Plane:
     cdef object broker               # broker/loop.py Broker: the verbs of a turn not compiled yet
     cdef Drain front_drain           # the frontend's intake (broker/_frontend.pyx)
     cdef Py_ssize_t front_messages, front_bytes   # a turn's bounds on it
+    cdef object back_sock            # the backend ROUTER, drained by broker/_batches.pyx `drain`
+    cdef dict workers                # the backend's workers (wid -> WorkerState): whose results the drain finishes
+    cdef Intake intake
+    cdef double liveness_s           # a worker heard from is live this long
+    cdef Py_ssize_t back_messages    # a turn's bound on the backend's messages
+    cdef Py_ssize_t batch_jobs, batch_bytes   # a B_JOBS message's bounds
+    cdef object used                 # placement's recency hook (None: it caps no models)
     cdef JobTable jobs
     cdef Dispatcher dispatcher
     cdef dict outbox                 # the frontend's replies of this turn (sent by its flush)
     cdef object frontend
     cdef public long long turns      # turns run, for the tests and the benches
     cdef public long long returns    # times control went back to Python
+    cdef int _dispatch(self, double now) except -1

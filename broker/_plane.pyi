@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-from tokenbroker.broker._dispatch import Dispatcher
-from tokenbroker.broker._frontend import Drain
-from tokenbroker.broker._jobs import JobTable
 
 TIMER: int
 WAKE: int
@@ -14,7 +11,6 @@ WAKE: int
 class Plane:
     turns: int
     returns: int
-    def __init__(self, front: Any, back: Any, wake_fd: int, broker: Any, jobs: JobTable, dispatcher: Dispatcher,
-                 frontend: Any, outbox: dict[Any, Any], front_drain: Drain, front_messages: int,
-                 front_bytes: int) -> None: ...
+    def __init__(self, broker: Any, *, front_messages: int, front_bytes: int, back_messages: int, liveness_s: float,
+                 batch_jobs: int, batch_bytes: int, used: Callable[[bytes, list[Any], float], None] | None = None) -> None: ...
     def run(self, python_at: float, plan_at: float, one_turn: bool = False) -> int: ...

@@ -13,17 +13,25 @@ Python's control plane is needed, and says why:
   placement decision (`plan_at`, while the dispatcher has demand).
 
 How the planes meet: the loop calls `run` and gets an event code back (no inproc socket between
-them: one hop fewer, and the control plane calls straight back in). Until the frontend's and the
-backend's drains are compiled end to end, a turn calls the loop's own verbs for them; each verb
-already does its per-message work in the compiled cores.
+them: one hop fewer, and the control plane calls straight back in). Within a turn, the cores are
+called C to C: the frontend's Drain (broker/_frontend.pyx) into the intake, the backend's drain
+(broker/_batches.pyx) into `Intake.results`, the dispatcher and the B_JOBS writer, the outbox
+(broker/_outbox.pyx). Python runs only for what they leave to it: a control message from a worker,
+a request the intake cannot take alone (ping, the catalog ops, a model not resolved yet, a refusal),
+a deadline passed, placement's recency when it caps models.
 """
 
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from tokenbroker.broker._dispatch cimport Dispatcher
+from tokenbroker.broker._batches cimport drain as drain_backend
 from tokenbroker.broker._frontend cimport Drain
+from tokenbroker.broker._intake cimport Intake
 from tokenbroker.broker._jobs cimport JobTable
+from tokenbroker.broker._batches import send_jobs
 from tokenbroker.common._zmq cimport EINTR, ZMQ_POLLIN, handle_of, load_libzmq, zmq_errno, zmq_error, zmq_poll
+
+from zmq import ZMQError
 
 load_libzmq()
 
@@ -46,25 +54,38 @@ cdef inline double _now() noexcept nogil:
 cdef class Plane:
     """The turns of one broker (broker/loop.py `Broker._serve`)."""
 
-    def __init__(self, front, back, int wake_fd, broker, JobTable jobs, Dispatcher dispatcher, frontend, dict outbox,
-                 Drain front_drain, Py_ssize_t front_messages, Py_ssize_t front_bytes):
-        self.items[BACK].socket = handle_of(back)
+    def __init__(self, broker, *, Py_ssize_t front_messages, Py_ssize_t front_bytes, Py_ssize_t back_messages,
+                 double liveness_s, Py_ssize_t batch_jobs, Py_ssize_t batch_bytes, used=None):
+        """The turns of `broker` (broker/loop.py Broker: its sockets, wake-up descriptor and cores);
+        a turn reads at most `front_messages` / `front_bytes` of the clients' and `back_messages`
+        of the workers'; a B_JOBS message holds at most `batch_jobs` / `batch_bytes`; `used(wid,
+        jobs, now)`: told each batch handed to a worker (placement's recency, when it caps models)."""
+        frontend, backend = broker.frontend, broker.backend
+        self.items[BACK].socket = handle_of(backend.sock)
         self.items[BACK].fd = 0
         self.items[BACK].events = ZMQ_POLLIN
         self.items[WAKE_FD].socket = NULL
-        self.items[WAKE_FD].fd = wake_fd
+        self.items[WAKE_FD].fd = broker.wakeup.fileno()
         self.items[WAKE_FD].events = ZMQ_POLLIN
-        self.items[FRONT].socket = handle_of(front)
+        self.items[FRONT].socket = handle_of(frontend.sock)
         self.items[FRONT].fd = 0
         self.items[FRONT].events = ZMQ_POLLIN
         self.broker = broker
-        self.front_drain = front_drain
+        self.jobs = broker.jobs
+        self.dispatcher = broker.dispatcher
+        self.frontend = frontend
+        self.outbox = frontend.outbox
+        self.front_drain = broker.drain
         self.front_messages = front_messages
         self.front_bytes = front_bytes
-        self.jobs = jobs
-        self.dispatcher = dispatcher
-        self.frontend = frontend
-        self.outbox = outbox
+        self.back_sock = backend.sock
+        self.workers = backend.workers
+        self.intake = broker.intake
+        self.liveness_s = liveness_s
+        self.back_messages = back_messages
+        self.batch_jobs = batch_jobs
+        self.batch_bytes = batch_bytes
+        self.used = used
         self.turns = 0
         self.returns = 0
 
@@ -78,6 +99,8 @@ cdef class Plane:
         cdef JobTable jobs = self.jobs
         cdef Dispatcher dispatcher = self.dispatcher
         broker = self.broker
+        if dispatcher._free > 0 and dispatcher.waiting:  # what the control plane freed or queued goes first
+            self._dispatch(_now())
         while True:
             now = _now()
             wake_at = python_at
@@ -106,13 +129,22 @@ cdef class Plane:
             now = _now()
             woken = self.items[WAKE_FD].revents != 0
             if self.items[BACK].revents:
-                broker._on_backend(now)
+                try:
+                    _, got = drain_backend(self.back_sock, self.workers, self.intake, now, now + self.liveness_s,
+                                           self.back_messages)
+                except ZMQError:
+                    raise
+                except Exception as e:  # a bug must cost this message, never the loop
+                    broker._backend_fault(e)
+                    got = None
+                if got is not None:  # a control message (or a draining worker's last results): Python's
+                    broker._on_backend(now, got)
             if self.items[FRONT].revents:
                 self.front_drain.drain(now, self.front_messages, self.front_bytes)
             if jobs._deadlines and (<tuple>jobs._deadlines[0])[0] <= now:
                 broker._expire(now)
             if dispatcher._free > 0 and dispatcher.waiting:
-                broker._dispatch(now)
+                self._dispatch(now)
             if self.outbox:
                 self.frontend.flush(jobs.per_client)
             if woken:
@@ -121,3 +153,14 @@ cdef class Plane:
             if one_turn or now >= python_at or broker._replan or (dispatcher.demand and now >= plan_at):
                 self.returns += 1
                 return TIMER
+
+    cdef int _dispatch(self, double now) except -1:
+        """Hand the queue to the free workers: each worker's new jobs in B_JOBS messages."""
+        for wid, batch in self.dispatcher.assign(now):
+            if self.used is not None:
+                self.used(wid, batch, now)
+            try:
+                send_jobs(self.back_sock, wid, batch, now, self.batch_jobs, self.batch_bytes)
+            except Exception as e:  # a bug must cost these requests, never the loop
+                self.broker._unsent(wid, batch, now, e)
+        return 0

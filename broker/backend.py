@@ -42,7 +42,7 @@ from tokenbroker.common.protocol import (
     Ready,
 )
 
-from ._batches import drain, results_problem, send_jobs
+from ._batches import drain, results_problem
 from ._intake import Intake
 from ._jobs import Job
 
@@ -158,15 +158,17 @@ class Backend:
             limit -= taken
             if got is None:
                 return
-            if isinstance(got, bytes):  # a draining worker's results were finished
-                yield Results(got)
-                continue
-            try:
-                events = self._on_frames(got, now)
-            except Exception:  # a bug must cost this message, never the loop
-                log.exception("dropped a backend message that could not be handled")
-                continue
-            yield from events
+            yield from self.events_of(got, now)
+
+    def events_of(self, got: bytes | list[bytes], now: float) -> list[object]:
+        """The events of what `drain` left for Python (its second answer, not None)."""
+        if isinstance(got, bytes):  # a draining worker's results were finished
+            return [Results(got)]
+        try:
+            return self._on_frames(got, now)
+        except Exception:  # a bug must cost this message, never the loop
+            log.exception("dropped a backend message that could not be handled")
+            return []
 
     def _drop(self, kind: str, msg: str, *args: object) -> list[object]:
         self._log.warn(kind, msg, *args)
@@ -280,11 +282,6 @@ class Backend:
 
     def send_unload(self, wid: bytes, name: str) -> None:
         self._send_frames([wid, B_UNLOAD, name.encode()])
-
-    def send_jobs(self, wid: bytes, jobs: list[Job], now: float) -> None:
-        """Send jobs to `wid`, at most MAX_BATCH_JOBS and BATCH_BYTES a message; each job's budget is
-        what is left of its deadline at `now` (built and sent in the core, broker/_batches.pyx)."""
-        send_jobs(self.sock, wid, jobs, now, MAX_BATCH_JOBS, BATCH_BYTES)
 
     def forget(self, wid: bytes) -> WorkerState | None:
         return self.workers.pop(wid, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 import gc
+import itertools
 import logging
 import signal
 import socket
@@ -23,9 +24,10 @@ import zmq
 
 from tokenbroker import __version__
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import ADMIN_OPS, CATALOG_OPS, MODEL_OPS, NIL, W_BYE, Envelope, ok_reply, req, unpack
+from tokenbroker.common.protocol import (ADMIN_OPS, CATALOG_OPS, HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, MAX_BATCH_JOBS,
+                                         MODEL_OPS, NIL, W_BYE, Envelope, ok_reply, req, unpack)
 
-from .backend import Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
+from .backend import BATCH_BYTES, Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
 from .catalog import FAILED, LOADING, WORKER, Catalog, Entry, add_model_spec, served_backends
 from .config import BrokerConfig
 from ._dispatch import Dispatcher
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 
 FRONTEND_BATCH = 4096  # messages read per turn (a full drain, bounded so the backend is never starved)
 FRONTEND_BATCH_BYTES = 64 * 1024 * 1024  # and payload bytes read per turn
+BACKEND_BATCH = 8192  # worker messages read per turn
 PUBLISH_EVERY_S = 0.1  # the exporter's view of the pool is at most this old
 SHUTDOWN_GRACE_S = 10.0
 MEMO_MAX = 1024  # model names the intake remembers resolved (broker/_intake.pyx `Intake.models`)
@@ -171,8 +174,9 @@ class Broker:
         """The data plane's turns run compiled (broker/_plane.pyx `Plane.run`); it comes back here
         for control only: a signal (WAKE), or a timer of the control plane due (TIMER: a reap, a
         heartbeat, placement, a metrics publication). Then `tick` runs them, and the turns go on."""
-        plane = Plane(self.frontend.sock, self.backend.sock, self.wakeup.fileno(), self, self.jobs, self.dispatcher,
-                      self.frontend, self.frontend.outbox, self.drain, FRONTEND_BATCH, FRONTEND_BATCH_BYTES)
+        plane = Plane(self, front_messages=FRONTEND_BATCH, front_bytes=FRONTEND_BATCH_BYTES, back_messages=BACKEND_BATCH,
+                      liveness_s=HEARTBEAT_INTERVAL_S * HEARTBEAT_LIVENESS, batch_jobs=MAX_BATCH_JOBS,
+                      batch_bytes=BATCH_BYTES, used=self._used if self.placement.cap else None)
         gc.freeze()  # what start-up built is never garbage: the collector stops walking it
         gc.set_threshold(10_000, 20, 20)  # a turn allocates thousands of short-lived objects, none cyclic
         while True:
@@ -270,27 +274,32 @@ class Broker:
 
     # --- dispatch ----------------------------------------------------------------------
 
-    def _dispatch(self, now: float) -> None:
-        for wid, batch in self.dispatcher.assign(now):
-            if self.placement.cap:  # the least recently used model is the one a full worker lets go
-                for job in batch:
-                    if job.catalog:
-                        self.placement.used(wid, job.model, now)  # type: ignore[arg-type]
-            try:
-                self.backend.send_jobs(wid, batch, now)
-            except Exception:  # a bug must cost these requests, never the loop
-                log.exception("could not send %d jobs to a worker", len(batch))
-                for job in batch:
-                    self.dispatcher.finish(wid, job.job_id)
-                    self._release(job)
-                    self._fail(job, ProtocolError("internal", "the broker could not hand the request to a worker"), now)
+    def _used(self, wid: bytes, batch: list[Job], now: float) -> None:
+        """A batch went to `wid`: its catalog models were used now (placement caps models: the least
+        recently used is the one a full worker lets go)."""
+        for job in batch:
+            if job.catalog:
+                self.placement.used(wid, job.model, now)  # type: ignore[arg-type]
+
+    def _unsent(self, wid: bytes, batch: list[Job], now: float, error: Exception) -> None:
+        """The core could not send a batch (a bug): these requests are answered `internal`."""
+        log.error("could not send %d jobs to a worker", len(batch), exc_info=error)
+        for job in batch:
+            self.dispatcher.finish(wid, job.job_id)
+            self._release(job)
+            self._fail(job, ProtocolError("internal", "the broker could not hand the request to a worker"), now)
+
+    def _backend_fault(self, error: Exception) -> None:
+        log.error("dropped a backend message that could not be handled", exc_info=error)
 
     # --- backend -----------------------------------------------------------------------
 
-    def _on_backend(self, now: float) -> None:
-        """Drain the backend: the workers' results are finished in the core as they come (broker/
-        _batches.pyx `drain`, through `Intake.results`); the rest arrive here as events, in order."""
-        for event in self.backend.receive(self.intake, now):
+    def _on_backend(self, now: float, got: bytes | list[bytes] | None = None) -> None:
+        """What the compiled turns' drain of the backend (broker/_batches.pyx `drain`, which
+        finishes the workers' results in the core) left for Python: `got`, then whatever else waits,
+        as events, in order."""
+        first = self.backend.events_of(got, now) if got is not None else []
+        for event in itertools.chain(first, self.backend.receive(self.intake, now)):
             try:
                 if isinstance(event, Results):
                     self._gone_if_idle(event.wid, now)
@@ -354,8 +363,7 @@ class Broker:
                 self.supervisor.kill(state.name)
             self._worker_gone(left.wid, left.why, now)
         self._expire(now)
-        self._place(now)
-        self._dispatch(now)
+        self._place(now)  # (what it frees or queues is dispatched as the turns resume: Plane.run)
         if now >= self.next_publish:
             self.metrics.publish(self.snapshot())
             self.next_publish = now + PUBLISH_EVERY_S
