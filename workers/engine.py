@@ -40,7 +40,6 @@ import logging
 import os
 import queue
 import random
-import sys
 import tempfile
 import threading
 import time
@@ -52,7 +51,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, cast
 
-from .tokenizers import InvalidTokenId, Tokenizer, check_ids
+from .tokenizers import InvalidTokenId, Tokenizer, check_ids, flat_of, ids_to_u32, le_array
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,6 @@ FASTOKENS = "fastokens"
 # fastokens' decode holds the GIL (its encode does not): a longer sequence goes to the reference,
 # which releases it, so the heartbeat thread is never held up for more than a few milliseconds.
 FAST_DECODE_MAX_IDS = 16384
-_LITTLE = sys.byteorder == "little"
 
 
 class EngineUnavailable(Exception):
@@ -117,7 +115,7 @@ class FastEngine:
     def encode_u32(self, texts: list[str], add_special_tokens: bool = True) -> list[bytes]:
         """Each text's ids as little-endian uint32 bytes, cut from one flat buffer: no int per id."""
         flat, offsets = self.encode_flat(texts, add_special_tokens)
-        ends = _ends(offsets)
+        ends = le_array("Q", offsets)
         return [flat[4 * ends[i]:4 * ends[i + 1]] for i in range(len(texts))]
 
     def encode_flat(self, texts: list[str], add_special_tokens: bool = True) -> tuple[bytes, bytes]:
@@ -132,20 +130,10 @@ class FastEngine:
 
     def _splice(self, texts: list[str], flat: bytes, offsets: bytes, add_special_tokens: bool) -> tuple[bytes, bytes]:
         """The two buffers again, with the reference's ids for the guarded texts (rare: one copy)."""
-        ends = _ends(offsets)
+        ends = le_array("Q", offsets)
         view = memoryview(flat).cast("B")
-        parts: list[bytes | memoryview] = []
-        out = array("Q", [0])
-        for i, text in enumerate(texts):
-            if self.guarded(text):
-                part: bytes | memoryview = _u32(self.reference.encode(text, add_special_tokens=add_special_tokens))
-            else:
-                part = view[4 * ends[i]:4 * ends[i + 1]]
-            parts.append(part)
-            out.append(out[-1] + len(part) // 4)
-        if not _LITTLE:  # pragma: no cover
-            out.byteswap()
-        return b"".join(parts), out.tobytes()
+        return flat_of([ids_to_u32(self.reference.encode(text, add_special_tokens=add_special_tokens))
+                        if self.guarded(text) else view[4 * ends[i]:4 * ends[i + 1]] for i, text in enumerate(texts)])
 
     def encode_ordinary(self, text: str) -> list[int]:
         if self.guard and self.guarded(text):
@@ -162,15 +150,6 @@ class FastEngine:
             if low < 0 or high >= self.vocab_size or (self.unassigned and not self.unassigned.isdisjoint(ids)):
                 check_ids(ids, self.vocab_size, self.unassigned)  # raises InvalidTokenId
         return self._call(self.raw.decode, ids, skip_special_tokens)
-
-
-def _ends(offsets: bytes) -> array:
-    """Where each text's ids end in the flat buffer: the engine's little-endian u64s, whatever the host."""
-    ends = array("Q")
-    ends.frombytes(offsets)
-    if not _LITTLE:  # pragma: no cover
-        ends.byteswap()
-    return ends
 
 
 def build_fast(tok: Tokenizer) -> FastEngine:
@@ -390,7 +369,7 @@ def probe(tok: Tokenizer, fast: FastEngine, *, seed: int = RANDOM_SEED) -> str |
             if w != g:
                 return f"encode {p.what} {p.text[:60]!r} (add_special_tokens={flag})"
         packed = fast.encode_u32(texts, add_special_tokens=flag)
-        if any(b != _u32(w) for b, w in zip(packed, want)):
+        if any(b != ids_to_u32(w) for b, w in zip(packed, want)):
             return f"encode_batch_flat (add_special_tokens={flag})"
     if tok.kind == "tiktoken":
         for p in probes[:: max(1, len(probes) // 256)]:
@@ -404,13 +383,6 @@ def probe(tok: Tokenizer, fast: FastEngine, *, seed: int = RANDOM_SEED) -> str |
             if text is not None and text != _decode_or_error(tok, ids, skip):
                 return f"decode {ids[:12]}{'...' if len(ids) > 12 else ''} (skip_special_tokens={skip})"
     return None
-
-
-def _u32(ids: list[int]) -> bytes:
-    a = array("I", ids)
-    if not _LITTLE:  # pragma: no cover
-        a.byteswap()
-    return a.tobytes()
 
 
 def _random_ids(tok: Tokenizer, rng: random.Random, n: int) -> list[list[int]]:

@@ -41,32 +41,23 @@ from .count import count_request
 from .count_lane import Stop, count_at_head, engine_encoder, uncollected, wants_lane
 from .registry import Model, ModelRegistry
 from .tokenin import CHAIN_MEMO_BYTES, Extras, Served, Tokenin, asks_extras, parse_extras
-from .tokenizers import InvalidTokenId, ids_to_u32
+from .tokenizers import InvalidTokenId, ids_to_u32, le_array
 
 log = logging.getLogger(__name__)
 
 _LITTLE = sys.byteorder == "little"
 
 
-def _little_endian(code: str, data: bytes) -> array:
-    """An array of `code` items read from little-endian bytes (the wire's order, whatever the host's)."""
-    a = array(code)
-    a.frombytes(data)
-    if not _LITTLE:  # pragma: no cover
-        a.byteswap()
-    return a
-
-
 def u32_array(data: bytes, field: str) -> array:
     """The ids of a u32 bin, 4 bytes each (a list of ints would take 36): what budgets are charged from."""
     if len(data) % 4:
         raise ProtocolError("invalid_input", f"field '{field}': a u32 bin must be a multiple of 4 bytes long, got {len(data)}")
-    return _little_endian("I", data)
+    return le_array("I", data)
 
 
 def _u64s(data: bytes) -> array:
     """The little-endian u64s of an engine's `ends` buffer (workers/tokenizers.py `encode_flat`)."""
-    return _little_endian("Q", data)
+    return le_array("Q", data)
 
 
 def _tokens_out(ids: list[int], fmt: str) -> Any:

@@ -81,6 +81,27 @@ def ids_to_u32(ids: list[int]) -> bytes:
     return a.tobytes()
 
 
+def le_array(code: str, data: bytes) -> array:
+    """An array of `code` items read from little-endian bytes (the wire's order and the fast
+    engine's, whatever the host's)."""
+    a = array(code)
+    a.frombytes(data)
+    if not _LITTLE:  # pragma: no cover
+        a.byteswap()
+    return a
+
+
+def flat_of(parts: Sequence[bytes | memoryview]) -> tuple[bytes, bytes]:
+    """`encode_flat`'s two buffers from each text's u32 ids: the ids back to back, and where each
+    text's end (little-endian u64s after a leading 0)."""
+    ends = array("Q", [0])
+    for part in parts:
+        ends.append(ends[-1] + len(part) // 4)
+    if not _LITTLE:  # pragma: no cover
+        ends.byteswap()
+    return b"".join(parts), ends.tobytes()
+
+
 def check_ids(ids: Sequence[int], vocab_size: int, unassigned: frozenset[int]) -> None:
     """Raise InvalidTokenId for the first id that names no token; C-speed when all are fine."""
     if not ids or (min(ids) >= 0 and max(ids) < vocab_size and (not unassigned or unassigned.isdisjoint(ids))):
@@ -133,13 +154,7 @@ class _Wrapped:
         fast = self.fast
         if fast is not None:
             return fast.encode_flat(texts, add_special_tokens)
-        parts = self.encode_u32(texts, add_special_tokens=add_special_tokens)
-        ends = array("Q", [0])
-        for part in parts:
-            ends.append(ends[-1] + len(part) // 4)
-        if not _LITTLE:  # pragma: no cover
-            ends.byteswap()
-        return b"".join(parts), ends.tobytes()
+        return flat_of(self.encode_u32(texts, add_special_tokens=add_special_tokens))
 
 
 @dataclass(eq=False, repr=False)
