@@ -15,9 +15,8 @@ path for control.
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.bytes cimport PyBytes_FromStringAndSize
-from libc.string cimport memcpy
 
-from tokenbroker.broker._buffers cimport sized_message, whole_message
+from tokenbroker.broker._buffers cimport put_buffer, sized_message, whole_message
 from tokenbroker.broker._intake cimport Intake
 from tokenbroker.broker._jobs cimport Job
 from tokenbroker.common._message cimport Message
@@ -71,7 +70,6 @@ cdef int _send_batch(void* s, bytes wid, list jobs, Py_ssize_t start, Py_ssize_t
     cdef Py_ssize_t n = end - start, i
     cdef uchar* h
     cdef uchar* o
-    cdef Py_buffer b
     cdef Job job
     cdef Message whole
     cdef double left
@@ -101,10 +99,7 @@ cdef int _send_batch(void* s, bytes wid, list jobs, Py_ssize_t start, Py_ssize_t
             sized_message(&payloads, <size_t>size)
             o = <uchar*>zmq_msg_data(&payloads)
             for i in range(start, end):
-                PyObject_GetBuffer((<Job>jobs[i]).raw, &b, PyBUF_SIMPLE)
-                memcpy(o, b.buf, b.len)
-                o += b.len
-                PyBuffer_Release(&b)
+                o = put_buffer(o, (<Job>jobs[i]).raw)
         # Flags 0, as the backend's job sends always were: a ROUTER never blocks (it drops a message
         # for a peer whose queue is full), so a failure here is the socket's own.
         rc = zmq_send(s, <const char*>wid, <size_t>len(wid), ZMQ_SNDMORE)

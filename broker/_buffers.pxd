@@ -2,6 +2,9 @@
 # a core to write, its memory reused from one message to the next; or, for a payload that is all of
 # a message received (`whole_message`), that message itself, passed on with Message.share.
 
+from cpython.buffer cimport PyBuffer_Release, PyBUF_SIMPLE, PyObject_GetBuffer
+from libc.string cimport memcpy
+
 from tokenbroker.common._message cimport Message
 from tokenbroker.common._zmq cimport zmq_msg_t
 
@@ -24,3 +27,13 @@ cdef inline Message whole_message(payload):
             if view.buf == <void*>owner.data and view.len == owner.size:
                 return owner
     return None
+
+
+cdef inline unsigned char* put_buffer(unsigned char* o, object payload) except NULL:
+    """`payload`'s bytes (any buffer: bytes, a view, a Message) copied to `o`; returns the end."""
+    cdef Py_buffer b
+    PyObject_GetBuffer(payload, &b, PyBUF_SIMPLE)
+    memcpy(o, b.buf, b.len)
+    o += b.len
+    PyBuffer_Release(&b)
+    return o

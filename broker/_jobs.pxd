@@ -30,3 +30,4 @@ cdef class JobTable:
     cpdef Job admit(self, envelope, Peek peek, route, double now, double timeout_s, model, bint catalog)
     cpdef add(self, Job job)
     cpdef release(self, Job job)
+    cdef double nearest(self)

@@ -8,6 +8,8 @@ intake, broker/_intake.pyx) with `JobTable.admit` and releases it when it is ans
 where the job is (queued, at a worker) is the dispatcher's (broker/_dispatch.pyx).
 """
 
+from libc.math cimport INFINITY
+
 from tokenbroker.broker._peek cimport Peek
 
 from heapq import heapify, heappop, heappush
@@ -100,8 +102,10 @@ cdef class JobTable:
     def held_by(self, client: bytes) -> int:
         return self.per_client.get(client, 0)
 
-    def nearest_deadline(self):
-        return self._deadlines[0][0] if self._deadlines else None
+    cdef double nearest(self):
+        """The earliest deadline in the heap (an answered job's included: `due` drops those), or
+        infinity when it is empty."""
+        return (<tuple>self._deadlines[0])[0] if self._deadlines else INFINITY
 
     def due(self, double now) -> list:
         """The unanswered jobs whose deadline has passed, each once, earliest first."""

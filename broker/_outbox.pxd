@@ -1,5 +1,5 @@
 # The turn's replies (broker/_outbox.pyx): held per connection by the intake and the loop, sent by
-# the frontend's flush.
+# the compiled turns (broker/_plane.pyx) and the frontend's flush.
 
 cdef inline int hold_reply(dict outbox, object envelope, object payload) except -1:
     """Hold `payload` (bytes, or a view of a worker's W_RESULTS frame) for `envelope`'s connection."""
@@ -9,3 +9,6 @@ cdef inline int hold_reply(dict outbox, object envelope, object payload) except 
     else:
         (<list>held).append(payload)
     return 0
+
+
+cpdef send_replies(sock, dict outbox, set arrays, holding, Py_ssize_t frame_bytes)

@@ -9,11 +9,7 @@ back into one message made to measure (broker/_buffers.pyx): no Python bytes are
 frame, no Python call is made per frame.
 """
 
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
-from libc.string cimport memcpy
-
-from tokenbroker.broker._buffers cimport sized_message, whole_message
-from tokenbroker.broker._outbox cimport hold_reply
+from tokenbroker.broker._buffers cimport put_buffer, sized_message, whole_message
 from tokenbroker.common._message cimport Message
 from tokenbroker.common._pack cimport array_head_size, put_array_head
 from tokenbroker.common._zmq cimport (ZMQ_DONTWAIT, ZMQ_SNDMORE, handle_of, load_libzmq, zmq_msg_close, zmq_msg_data,
@@ -29,7 +25,7 @@ def add_reply(dict outbox, envelope, payload) -> None:
     hold_reply(outbox, envelope, payload)
 
 
-def send_replies(sock, dict outbox, set arrays, holding, Py_ssize_t frame_bytes) -> None:
+cpdef send_replies(sock, dict outbox, set arrays, holding, Py_ssize_t frame_bytes):
     """Send a turn's held replies: to a connection that speaks arrays (in `arrays`), its replies in
     frames of at most `frame_bytes` past the first, each a MessagePack array header then the
     replies' bytes as the workers built them (a lone reply goes as its map); to any other, each
@@ -77,17 +73,12 @@ cdef int _send_alone(void* s, bytes identity, bint delimited, payload) except -1
     """One reply as its own frame: a worker's whole W_RESULTS payload frame (its only reply) goes on
     as that libzmq message (`share`: no copy of a large one); any other is copied into its message."""
     cdef zmq_msg_t msg
-    cdef Py_buffer b
     cdef Message whole = whole_message(payload)
     if whole is not None:
         whole.share(&msg)
     else:
-        PyObject_GetBuffer(payload, &b, PyBUF_SIMPLE)
-        try:
-            sized_message(&msg, <size_t>b.len)
-            memcpy(zmq_msg_data(&msg), b.buf, b.len)
-        finally:
-            PyBuffer_Release(&b)
+        sized_message(&msg, <size_t>len(payload))
+        put_buffer(<uchar*>zmq_msg_data(&msg), payload)
     try:
         if _send_envelope(s, identity, delimited):
             zmq_msg_send(&msg, s, ZMQ_DONTWAIT)  # a failure (the client is gone) costs this reply
@@ -100,17 +91,13 @@ cdef int _send_array(void* s, bytes identity, bint delimited, list payloads, Py_
                      Py_ssize_t size) except -1:
     """payloads[start:end] (`size` bytes) as one frame: an array header, then each reply's bytes."""
     cdef zmq_msg_t msg
-    cdef Py_buffer b
     cdef uchar* o
     cdef Py_ssize_t i
     sized_message(&msg, <size_t>(array_head_size(end - start) + size))
     try:
         o = put_array_head(<uchar*>zmq_msg_data(&msg), end - start)
         for i in range(start, end):
-            PyObject_GetBuffer(payloads[i], &b, PyBUF_SIMPLE)
-            memcpy(o, b.buf, b.len)
-            o += b.len
-            PyBuffer_Release(&b)
+            o = put_buffer(o, payloads[i])
         if _send_envelope(s, identity, delimited):
             zmq_msg_send(&msg, s, ZMQ_DONTWAIT)  # libzmq's once sent; a failure costs this frame
     finally:

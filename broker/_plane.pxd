@@ -10,7 +10,7 @@ from tokenbroker.common._zmq cimport zmq_pollitem_t
 
 cdef class Plane:
     cdef zmq_pollitem_t items[3]     # backend, wake-up descriptor, frontend
-    cdef object broker               # broker/loop.py Broker: the verbs of a turn not compiled yet
+    cdef object broker               # broker/loop.py Broker: what the cores hand back (control, deadlines, faults)
     cdef Drain front_drain           # the frontend's intake (broker/_frontend.pyx)
     cdef Py_ssize_t front_messages, front_bytes   # a turn's bounds on it
     cdef object back_sock            # the backend ROUTER, drained by broker/_batches.pyx `drain`
@@ -22,8 +22,8 @@ cdef class Plane:
     cdef object used                 # placement's recency hook (None: it caps no models)
     cdef JobTable jobs
     cdef Dispatcher dispatcher
-    cdef dict outbox                 # the frontend's replies of this turn (sent by its flush)
-    cdef object frontend
-    cdef public long long turns      # turns run, for the tests and the benches
-    cdef public long long returns    # times control went back to Python
+    cdef object front_sock           # the frontend ROUTER
+    cdef dict outbox                 # the frontend's replies of this turn
+    cdef set arrays                  # the frontend's connections that speak arrays
+    cdef Py_ssize_t reply_frame_bytes   # coalesced replies in one frame, past its first
     cdef int _dispatch(self, double now) except -1

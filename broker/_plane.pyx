@@ -28,6 +28,7 @@ from tokenbroker.broker._batches cimport drain as drain_backend
 from tokenbroker.broker._frontend cimport Drain
 from tokenbroker.broker._intake cimport Intake
 from tokenbroker.broker._jobs cimport JobTable
+from tokenbroker.broker._outbox cimport send_replies
 from tokenbroker.broker._batches import send_jobs
 from tokenbroker.common._zmq cimport EINTR, ZMQ_POLLIN, handle_of, load_libzmq, zmq_errno, zmq_error, zmq_poll
 
@@ -55,10 +56,12 @@ cdef class Plane:
     """The turns of one broker (broker/loop.py `Broker._serve`)."""
 
     def __init__(self, broker, *, Py_ssize_t front_messages, Py_ssize_t front_bytes, Py_ssize_t back_messages,
-                 double liveness_s, Py_ssize_t batch_jobs, Py_ssize_t batch_bytes, used=None):
+                 double liveness_s, Py_ssize_t batch_jobs, Py_ssize_t batch_bytes, Py_ssize_t reply_frame_bytes,
+                 used=None):
         """The turns of `broker` (broker/loop.py Broker: its sockets, wake-up descriptor and cores);
         a turn reads at most `front_messages` / `front_bytes` of the clients' and `back_messages`
-        of the workers'; a B_JOBS message holds at most `batch_jobs` / `batch_bytes`; `used(wid,
+        of the workers'; a B_JOBS message holds at most `batch_jobs` / `batch_bytes`, a frame of
+        coalesced replies `reply_frame_bytes` past its first; `used(wid,
         jobs, now)`: told each batch handed to a worker (placement's recency, when it caps models)."""
         frontend, backend = broker.frontend, broker.backend
         self.items[BACK].socket = handle_of(backend.sock)
@@ -73,8 +76,10 @@ cdef class Plane:
         self.broker = broker
         self.jobs = broker.jobs
         self.dispatcher = broker.dispatcher
-        self.frontend = frontend
+        self.front_sock = frontend.sock
         self.outbox = frontend.outbox
+        self.arrays = frontend.arrays
+        self.reply_frame_bytes = reply_frame_bytes
         self.front_drain = broker.drain
         self.front_messages = front_messages
         self.front_bytes = front_bytes
@@ -86,8 +91,6 @@ cdef class Plane:
         self.batch_jobs = batch_jobs
         self.batch_bytes = batch_bytes
         self.used = used
-        self.turns = 0
-        self.returns = 0
 
     def run(self, double python_at, double plan_at, bint one_turn=False) -> int:
         """Turns until the control plane is needed (TIMER or WAKE, above). `one_turn`: return after
@@ -104,10 +107,9 @@ cdef class Plane:
         while True:
             now = _now()
             wake_at = python_at
-            if jobs._deadlines:
-                nearest = (<tuple>jobs._deadlines[0])[0]
-                if nearest < wake_at:
-                    wake_at = nearest
+            nearest = jobs.nearest()
+            if nearest < wake_at:
+                wake_at = nearest
             if dispatcher._free > 0 and dispatcher.waiting:
                 spill = dispatcher.next_timer(now)
                 if spill is not None and <double>spill < wake_at:
@@ -119,11 +121,9 @@ cdef class Plane:
                 timeout_ms = 1000
             with nogil:
                 rc = zmq_poll(self.items, 3, timeout_ms)
-            self.turns += 1
             if rc < 0:
                 err = zmq_errno()
                 if err == EINTR:  # a signal: Python runs its handler when we return
-                    self.returns += 1
                     return WAKE
                 raise OSError(err, f"zmq_poll: {zmq_error(err)}")
             now = _now()
@@ -141,17 +141,15 @@ cdef class Plane:
                     broker._on_backend(now, got)
             if self.items[FRONT].revents:
                 self.front_drain.drain(now, self.front_messages, self.front_bytes)
-            if jobs._deadlines and (<tuple>jobs._deadlines[0])[0] <= now:
+            if jobs.nearest() <= now:
                 broker._expire(now)
             if dispatcher._free > 0 and dispatcher.waiting:
                 self._dispatch(now)
             if self.outbox:
-                self.frontend.flush(jobs.per_client)
+                send_replies(self.front_sock, self.outbox, self.arrays, jobs.per_client, self.reply_frame_bytes)
             if woken:
-                self.returns += 1
                 return WAKE
             if one_turn or now >= python_at or broker._replan or (dispatcher.demand and now >= plan_at):
-                self.returns += 1
                 return TIMER
 
     cdef int _dispatch(self, double now) except -1:

@@ -54,6 +54,7 @@ MAX_LOADED_BYTES = 4 * 1024 * 1024  # a LOADED body (its special-token list) lar
 # heartbeat meanwhile, so while a LOAD is outstanding it may be silent this long before it is gone.
 LOAD_GRACE_S = 60.0
 BATCH_BYTES = 4 * 1024 * 1024  # payload bytes in one backend message, past its first job
+LIVENESS_S = HEARTBEAT_INTERVAL_S * HEARTBEAT_LIVENESS  # a worker silent this long is gone
 
 
 @dataclass
@@ -137,7 +138,7 @@ class Backend:
 
     @staticmethod
     def expiry(now: float) -> float:
-        return now + HEARTBEAT_INTERVAL_S * HEARTBEAT_LIVENESS
+        return now + LIVENESS_S
 
     def receive(self, intake: Intake, now: float, limit: int = 8192) -> Iterator[object]:
         """Drain what has arrived (up to `limit` messages), yielding events in arrival order.

@@ -24,10 +24,10 @@ import zmq
 
 from tokenbroker import __version__
 from tokenbroker.common.errors import ProtocolError
-from tokenbroker.common.protocol import (ADMIN_OPS, CATALOG_OPS, HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, MAX_BATCH_JOBS,
-                                         MODEL_OPS, NIL, W_BYE, Envelope, ok_reply, req, unpack)
+from tokenbroker.common.protocol import (ADMIN_OPS, CATALOG_OPS, MAX_BATCH_JOBS, MODEL_OPS, NIL, W_BYE, Envelope,
+                                         ok_reply, req, unpack)
 
-from .backend import BATCH_BYTES, Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
+from .backend import BATCH_BYTES, LIVENESS_S, Backend, Draining, Joined, Left, ModelLoaded, Results, WorkerState
 from .catalog import FAILED, LOADING, WORKER, Catalog, Entry, add_model_spec, served_backends
 from .config import BrokerConfig
 from ._dispatch import Dispatcher
@@ -36,7 +36,7 @@ from ._intake import Intake
 from ._jobs import Job, JobTable
 from ._plane import WAKE, Plane
 from ._router import Router
-from .frontend import Frontend, Peek, Peer
+from .frontend import REPLY_FRAME_BYTES, Frontend, Peek, Peer
 from .metrics import LATENCY_BUCKETS, PoolMetrics
 from .placement import Load, Placement
 from .snapshot import ModelView, PoolSnapshot, WorkerView
@@ -175,8 +175,8 @@ class Broker:
         for control only: a signal (WAKE), or a timer of the control plane due (TIMER: a reap, a
         heartbeat, placement, a metrics publication). Then `tick` runs them, and the turns go on."""
         plane = Plane(self, front_messages=FRONTEND_BATCH, front_bytes=FRONTEND_BATCH_BYTES, back_messages=BACKEND_BATCH,
-                      liveness_s=HEARTBEAT_INTERVAL_S * HEARTBEAT_LIVENESS, batch_jobs=MAX_BATCH_JOBS,
-                      batch_bytes=BATCH_BYTES, used=self._used if self.placement.cap else None)
+                      liveness_s=LIVENESS_S, batch_jobs=MAX_BATCH_JOBS, batch_bytes=BATCH_BYTES,
+                      reply_frame_bytes=REPLY_FRAME_BYTES, used=self._used if self.placement.cap else None)
         gc.freeze()  # what start-up built is never garbage: the collector stops walking it
         gc.set_threshold(10_000, 20, 20)  # a turn allocates thousands of short-lived objects, none cyclic
         while True:
